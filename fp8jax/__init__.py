@@ -1,0 +1,24 @@
+"""fp8jax: functional FP8 training for JAX/Flax on Hopper GPUs.
+
+Everything is a pure function over explicit pytrees: parameters, optimizer
+state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
+"""
+from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
+from fp8jax.recipes import CurrentScaling, DelayedScaling
+from fp8jax.meta import DotMeta, Fp8Meta, init_dot_meta, init_meta
+from fp8jax.quantize import amax, dequantize, quantize
+from fp8jax.scaling import begin_step, end_step, merge_step, scale_from_amax
+from fp8jax.dot import fp8_dot_general
+from fp8jax.dense import fp8_dense
+from fp8jax.einsum import fp8_einsum
+from fp8jax.training import accumulate_gradients, value_and_grad
+
+__all__ = [
+    "E4M3", "E5M2", "Fp8Format", "formats_for",
+    "CurrentScaling", "DelayedScaling",
+    "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta",
+    "amax", "dequantize", "quantize",
+    "begin_step", "end_step", "merge_step", "scale_from_amax",
+    "fp8_dot_general", "fp8_dense", "fp8_einsum",
+    "accumulate_gradients", "value_and_grad",
+]

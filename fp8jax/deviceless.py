@@ -1,0 +1,91 @@
+"""Compile JAX functions for an H100 without a GPU ("deviceless" compile).
+
+JAX can build an executable for a GPU target on a CPU-only machine when the CUDA
+PJRT plugin and `ptxas` are installed (the `hopper` extra). This module wraps
+that: a topology for one H100 SXM from the target description shipped in
+`fp8jax/targets/`, argument specs placed on it, the compile, and the artefacts
+people want to read (the optimized HLO and the PTX of each kernel).
+
+Run with `JAX_PLATFORMS=cpu` (or in a process where no GPU backend is wanted):
+the deviceless topology does not need the CUDA backend to be initialized.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.resources
+import importlib.util
+import os
+import tempfile
+from typing import Any, Callable, Sequence
+
+import jax
+
+H100_TARGET = "h100_sxm.txtpb"
+
+
+def deviceless_toolchain_missing() -> str | None:
+  """Why a deviceless H100 compile cannot run here, or None if it can."""
+  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    return ("the CUDA PJRT plugin is not installed; install fp8jax's 'hopper' extra "
+            "(pip install 'fp8jax[hopper]').")
+  return None
+
+
+def h100_target_description() -> str:
+  """The H100 SXM GPU target description (text protobuf) shipped with fp8jax."""
+  return importlib.resources.files("fp8jax.targets").joinpath(H100_TARGET).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def h100_devices():
+  """The devices of a one-GPU H100 topology (compile-only; nothing runs on them)."""
+  from jax.experimental import topologies
+  missing = deviceless_toolchain_missing()
+  if missing:
+    raise RuntimeError(f"Cannot compile for an H100 without a GPU: {missing}")
+  topology = topologies.get_topology_desc(
+      "h100", "cuda", target_config=h100_target_description(), topology="1x1x1")
+  return tuple(topology.devices)
+
+
+def h100_spec(shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
+  """A `ShapeDtypeStruct` placed (replicated) on the deviceless H100."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  mesh = Mesh(list(h100_devices()), ("x",))
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def on_h100(tree: Any) -> Any:
+  """Maps every array / ShapeDtypeStruct leaf of `tree` to an H100 spec of its shape and dtype."""
+  return jax.tree.map(lambda leaf: h100_spec(leaf.shape, leaf.dtype), tree)
+
+
+def compile_for_h100(fn: Callable, *args, compiler_options: dict | None = None,
+                     dump_dir: str | None = None, static_argnums=()):
+  """Lowers and compiles `jax.jit(fn)(*args)` for an H100.
+
+  Args:
+    fn: the function to compile.
+    *args: pytrees of arrays or `ShapeDtypeStruct`s (only shapes and dtypes are used).
+    compiler_options: XLA options, e.g. {"xla_gpu_enable_triton_gemm": False}.
+    dump_dir: if given, XLA writes its dumps (HLO, PTX per kernel) there.
+    static_argnums: passed to `jax.jit`.
+
+  Returns:
+    The `jax.stages.Compiled` object; `.as_text()` is the optimized HLO.
+  """
+  options = dict(compiler_options or {})
+  if dump_dir is not None:
+    options["xla_dump_to"] = dump_dir
+  specs = [a if i in static_argnums else on_h100(a) for i, a in enumerate(args)]
+  lowered = jax.jit(fn, static_argnums=static_argnums).lower(*specs)
+  return lowered.compile(compiler_options=options)
+
+
+def compile_ptx(fn: Callable, *args, compiler_options: dict | None = None) -> dict[str, str]:
+  """Compiles for an H100 and returns {ptx file name: PTX text} of every kernel XLA built."""
+  with tempfile.TemporaryDirectory() as dump_dir:
+    compile_for_h100(fn, *args, compiler_options=compiler_options, dump_dir=dump_dir)
+    return {os.path.basename(path): open(path).read()
+            for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx")))}

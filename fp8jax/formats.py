@@ -1,0 +1,58 @@
+"""FP8 number formats: E4M3 and E5M2, as in the OCP FP8 specification.
+
+Each format is described by its JAX dtype and the constants of its number line.
+A *format choice* ("hybrid" or "e4m3") says which format the forward tensors
+(activations, kernels) and the backward tensors (output gradients) use.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Format:
+  """One FP8 number format.
+
+  Attributes:
+    name: "e4m3" or "e5m2".
+    dtype: the JAX dtype (`jnp.float8_e4m3fn` or `jnp.float8_e5m2`).
+    max: largest finite value (448 for E4M3, 57344 for E5M2).
+    min_normal: smallest positive normal value (2**-6 and 2**-14).
+    min_subnormal: smallest positive subnormal value (2**-9 and 2**-16).
+    mantissa_bits: explicit mantissa bits (3 and 2).
+  """
+
+  name: str
+  dtype: jnp.dtype
+  max: float
+  min_normal: float
+  min_subnormal: float
+  mantissa_bits: int
+
+
+E4M3 = Fp8Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 2.0**-6, 2.0**-9, 3)
+E5M2 = Fp8Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2.0**-14, 2.0**-16, 2)
+
+# Format choice -> (format of forward tensors, format of gradients).
+FORMAT_CHOICES = {
+    "hybrid": (E4M3, E5M2),
+    "e4m3": (E4M3, E4M3),
+}
+
+
+def formats_for(fp8_format: str) -> tuple[Fp8Format, Fp8Format]:
+  """Returns (forward format, gradient format) for a format choice.
+
+  Args:
+    fp8_format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3" (E4M3 everywhere).
+
+  Raises:
+    ValueError: for any other name.
+  """
+  if fp8_format not in FORMAT_CHOICES:
+    raise ValueError(
+        f"fp8_format={fp8_format!r} is not a known FP8 format choice; "
+        f"use one of {sorted(FORMAT_CHOICES)}.")
+  return FORMAT_CHOICES[fp8_format]

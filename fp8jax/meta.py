@@ -1,0 +1,125 @@
+"""`Fp8Meta`: the explicit per-tensor FP8 state, and containers of it.
+
+An `Fp8Meta` is one tensor role's state: the `scale` multiplied in before the
+cast to FP8 and the `amax_history` ring buffer (newest first). It is a pytree
+whose leaves are those two float32 arrays; the recipe and the FP8 format are
+static (part of the tree structure), so they are fixed under `jit` and cannot
+be mixed up between layers.
+
+`DotMeta` groups the three roles of one FP8 matmul: the input `x`, the `kernel`
+(forward, E4M3) and the output gradient `grad` (backward, E5M2 under "hybrid").
+
+Within a training step `amax_history[0]` is the step's running amax: it starts
+at 0 (see `fp8jax.begin_step`) and every use of the meta takes the max of it
+and the amax that use saw. `fp8jax.end_step` turns it into the next scale.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.formats import Fp8Format
+from fp8jax.recipes import Recipe, check_recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Meta:
+  """FP8 state of one tensor role.
+
+  Attributes:
+    scale: float32[] (or float32[n] when stacked over layers). `q = x * scale`.
+    amax_history: float32[L] (or [n, L] stacked), newest amax first.
+    recipe: static; the scaling recipe this state follows.
+    fmt: static; the FP8 format this role is cast to.
+  """
+
+  scale: jax.Array
+  amax_history: jax.Array
+  recipe: Recipe
+  fmt: Fp8Format
+
+
+jax.tree_util.register_dataclass(
+    Fp8Meta, data_fields=["scale", "amax_history"], meta_fields=["recipe", "fmt"])
+
+
+@dataclasses.dataclass(frozen=True)
+class DotMeta:
+  """FP8 state of one matmul: input `x`, `kernel`, and output gradient `grad`."""
+
+  x: Fp8Meta
+  kernel: Fp8Meta
+  grad: Fp8Meta
+
+  @property
+  def recipe(self) -> Recipe:
+    return self.x.recipe
+
+
+jax.tree_util.register_dataclass(
+    DotMeta, data_fields=["x", "kernel", "grad"], meta_fields=[])
+
+
+def init_meta(recipe: Recipe, fmt: Fp8Format) -> Fp8Meta:
+  """A fresh role state: scale 1 and an all-zero amax history of the recipe's length."""
+  check_recipe(recipe)
+  return Fp8Meta(
+      scale=jnp.ones((), jnp.float32),
+      amax_history=jnp.zeros((recipe.history_len,), jnp.float32),
+      recipe=recipe,
+      fmt=fmt)
+
+
+def init_dot_meta(recipe: Recipe) -> DotMeta:
+  """A fresh `DotMeta` for one FP8 matmul under `recipe`.
+
+  `x` and `kernel` use the recipe's forward format, `grad` its gradient format.
+  """
+  check_recipe(recipe)
+  return DotMeta(
+      x=init_meta(recipe, recipe.forward_format),
+      kernel=init_meta(recipe, recipe.forward_format),
+      grad=init_meta(recipe, recipe.gradient_format))
+
+
+def is_meta(node: Any) -> bool:
+  """True for an `Fp8Meta` node (use as `is_leaf` in tree maps)."""
+  return isinstance(node, Fp8Meta)
+
+
+def map_metas(fn, *trees):
+  """Applies `fn` to every `Fp8Meta` of one or more equally shaped trees."""
+  return jax.tree.map(fn, *trees, is_leaf=is_meta)
+
+
+def check_dot_meta(meta: Any, argname: str = "meta") -> None:
+  """Raises a clear error unless `meta` is one (unstacked) `DotMeta`."""
+  if not isinstance(meta, DotMeta):
+    raise TypeError(
+        f"{argname} must be a fp8jax.DotMeta (make one with "
+        f"fp8jax.init_dot_meta(recipe)), got {type(meta).__name__}.")
+  for role in ("x", "kernel", "grad"):
+    check_role_meta(getattr(meta, role), f"{argname}.{role}")
+
+
+def check_role_meta(meta: Any, argname: str) -> None:
+  """Raises a clear error unless `meta` is an unstacked `Fp8Meta` matching its recipe."""
+  if not isinstance(meta, Fp8Meta):
+    raise TypeError(f"{argname} must be a fp8jax.Fp8Meta, got {type(meta).__name__}.")
+  history_len = meta.recipe.history_len
+  if jnp.shape(meta.scale) != ():
+    raise ValueError(
+        f"{argname}.scale has shape {jnp.shape(meta.scale)}, expected a scalar (). "
+        "A meta stacked over layers must be sliced per layer (jax.lax.scan / nn.scan).")
+  if jnp.shape(meta.amax_history) != (history_len,):
+    raise ValueError(
+        f"{argname}.amax_history has shape {jnp.shape(meta.amax_history)}, but its "
+        f"recipe {meta.recipe} keeps a history of length {history_len}. Re-create the "
+        "meta with fp8jax.init_dot_meta(recipe) or convert it with fp8jax.resize_history.")
+  for field in ("scale", "amax_history"):
+    dtype = jnp.result_type(getattr(meta, field))
+    if dtype != jnp.float32:
+      raise TypeError(f"{argname}.{field} must be float32, got {dtype}.")

@@ -1,0 +1,57 @@
+"""Saturating FP8 quantization with a scale: `q = saturate(x * scale)`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.formats import Fp8Format
+from fp8jax.meta import Fp8Meta
+from fp8jax.recipes import CurrentScaling
+from fp8jax.scaling import record_amax, scale_from_amax
+
+
+def quantize(x: jax.Array, scale: jax.Array, fmt: Fp8Format) -> jax.Array:
+  """Casts `x * scale` to FP8, clipping to ±fmt.max first (NaN stays NaN).
+
+  Args:
+    x: floating array of any shape (bf16, f16 or f32).
+    scale: float32 scalar (or broadcastable to `x`).
+    fmt: target format (`fp8jax.E4M3` or `fp8jax.E5M2`).
+
+  Returns:
+    Array of `x`'s shape in `fmt.dtype`. The product is formed in float32, so
+    the result is the round-to-nearest-even FP8 value of the float32 product.
+  """
+  scaled = x.astype(jnp.float32) * scale
+  return jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """`q * (1 / scale)` computed in float32, returned in `dtype`."""
+  return (q.astype(jnp.float32) * (1.0 / scale)).astype(dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """float32[] absolute maximum of `x` (NaN if `x` holds a NaN)."""
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def quantize_with_meta(x: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, jax.Array, Fp8Meta]:
+  """Quantizes `x` as `meta`'s recipe says and records `x`'s amax.
+
+  Delayed scaling uses the stored `meta.scale`; current scaling computes the
+  scale from `x`'s own amax (keeping `meta.scale` if that amax is 0 or not finite).
+
+  Returns:
+    (q in meta.fmt.dtype, the float32[] scale used, meta with the amax recorded).
+  """
+  x_amax = amax(x)
+  scale = scale_for(meta, x_amax)
+  return quantize(x, scale, meta.fmt), scale, record_amax(meta, x_amax)
+
+
+def scale_for(meta: Fp8Meta, x_amax: jax.Array) -> jax.Array:
+  """The float32[] scale to quantize a tensor of amax `x_amax` with under `meta`."""
+  if isinstance(meta.recipe, CurrentScaling):
+    return scale_from_amax(x_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale)
+  return meta.scale
