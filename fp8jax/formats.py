@@ -31,6 +31,9 @@ class Fp8Format:
   min_subnormal: float
   mantissa_bits: int
 
+  def __repr__(self) -> str:
+    return f"fp8jax.{self.name.upper()}"
+
 
 E4M3 = Fp8Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 2.0**-6, 2.0**-9, 3)
 E5M2 = Fp8Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2.0**-14, 2.0**-16, 2)

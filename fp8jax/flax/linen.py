@@ -1,0 +1,188 @@
+"""Flax linen layers with FP8 matmuls; FP8 state lives in the "fp8_meta" collection.
+
+Each layer keeps one `DotMeta` in the `fp8_meta` variable collection. Apply
+the model with `mutable=["fp8_meta"]` in training and return that collection
+from the loss function (see `fp8jax.value_and_grad`):
+
+    def loss_fn(params, fp8_state, x, y):
+      out, updates = model.apply({"params": params, "fp8_meta": fp8_state}, x,
+                                 mutable=["fp8_meta"])
+      return jnp.mean((out - y) ** 2), updates["fp8_meta"]
+
+When the collection is not mutable (evaluation) the layers use the stored
+scales and leave the state alone. `model.init` creates fresh metas and does not
+record the amaxes of the initialization pass.
+
+Layers under `nn.scan`: give each layer its own meta with
+`variable_axes={"params": 0, "fp8_meta": 0}`, or share one meta between all
+scanned layers with `variable_carry="fp8_meta"` (amaxes then combine by max).
+Do not broadcast the collection (`variable_broadcast`): a broadcast meta cannot
+record amaxes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fp8jax.dense import fp8_dense
+from fp8jax.dot import fp8_dot_general
+from fp8jax.einsum import fp8_einsum
+from fp8jax.meta import DotMeta, init_dot_meta
+from fp8jax.recipes import DelayedScaling, Recipe
+
+FP8_COLLECTION = "fp8_meta"
+
+default_kernel_init = nn.initializers.lecun_normal()
+
+
+def _dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta"):
+  """The module's `DotMeta` variable; checks it follows the module's recipe."""
+  variable = module.variable(FP8_COLLECTION, name, init_dot_meta, recipe)
+  stored = variable.value.recipe
+  if stored != recipe:
+    raise ValueError(
+        f"{module.__class__.__name__} {module.name!r} has recipe={recipe} but its "
+        f"'{FP8_COLLECTION}' state was made for recipe={stored}. Initialize fresh FP8 state "
+        "for the new recipe (model.init) or convert it with fp8jax.resize_history.")
+  return variable
+
+
+def _store(module: nn.Module, variable, new_meta: DotMeta) -> None:
+  # The init pass must not record amaxes: the first training step would then
+  # start from an observation of the random initialization.
+  if module.is_mutable_collection(FP8_COLLECTION) and not module.is_initializing():
+    variable.value = new_meta
+
+
+class Fp8DotGeneral(nn.Module):
+  """A `dot_general` for `nn.Dense(dot_general_cls=Fp8DotGeneral)` and friends.
+
+  Use `functools.partial(Fp8DotGeneral, recipe=...)` to pick a recipe.
+  """
+
+  recipe: Recipe = DelayedScaling()
+
+  @nn.compact
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None):
+    del precision  # FP8 GEMMs accumulate in float32 regardless.
+    variable = _dot_meta_variable(self, self.recipe)
+    out, new_meta = fp8_dot_general(lhs, rhs, variable.value, dimension_numbers)
+    _store(self, variable, new_meta)
+    if preferred_element_type is not None:
+      out = out.astype(preferred_element_type)
+    return out
+
+
+class Fp8Dense(nn.Module):
+  """`nn.Dense` with an FP8 matmul: y = x @ kernel + bias, x of shape [..., K].
+
+  Attributes:
+    features: N, the output size.
+    use_bias: whether to add a bias.
+    recipe: the FP8 scaling recipe.
+    dtype: computation dtype (x and kernel are cast to it); None keeps x's dtype.
+    param_dtype: dtype of the kernel and bias parameters.
+    kernel_init, bias_init: initializers.
+  """
+
+  features: int
+  use_bias: bool = True
+  recipe: Recipe = DelayedScaling()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = default_kernel_init
+  bias_init: Callable = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
+                        self.param_dtype)
+    bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            if self.use_bias else None)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    variable = _dot_meta_variable(self, self.recipe)
+    y, new_meta = fp8_dense(x, kernel, bias, variable.value)
+    _store(self, variable, new_meta)
+    return y
+
+
+class Fp8DenseGeneral(nn.Module):
+  """`nn.DenseGeneral` with an FP8 matmul over the `axis` dims of x.
+
+  The kernel has shape `x.shape[axis] + features`; the output is x's other
+  dims followed by `features`.
+  """
+
+  features: int | Sequence[int]
+  axis: int | Sequence[int] = -1
+  use_bias: bool = True
+  recipe: Recipe = DelayedScaling()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = default_kernel_init
+  bias_init: Callable = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    features = _as_tuple(self.features)
+    axis = tuple(sorted(a % x.ndim for a in _as_tuple(self.axis)))
+    kernel_shape = tuple(x.shape[a] for a in axis) + features
+    kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
+    bias = (self.param("bias", self.bias_init, features, self.param_dtype)
+            if self.use_bias else None)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    variable = _dot_meta_variable(self, self.recipe)
+    dims = ((axis, tuple(range(len(axis)))), ((), ()))
+    y, new_meta = fp8_dot_general(x, kernel, variable.value, dims)
+    _store(self, variable, new_meta)
+    if bias is not None:
+      y = y + bias.astype(y.dtype)
+    return y
+
+
+class Fp8Einsum(nn.Module):
+  """`nn.Einsum` with an FP8 contraction: `einsum(einsum_str, x, kernel) + bias`.
+
+  Attributes:
+    shape: the kernel's shape.
+    einsum_str: explicit two-operand form, e.g. "bsd,dhk->bshk".
+    use_bias: add a bias of the output's trailing dims that come from the kernel.
+  """
+
+  shape: Sequence[int]
+  einsum_str: str
+  use_bias: bool = False
+  recipe: Recipe = DelayedScaling()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = default_kernel_init
+  bias_init: Callable = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", self.kernel_init, tuple(self.shape), self.param_dtype)
+    bias = None
+    if self.use_bias:
+      out_labels = self.einsum_str.replace(" ", "").split("->")[1]
+      k_labels = self.einsum_str.replace(" ", "").split("->")[0].split(",")[1]
+      trailing = []
+      for label in reversed(out_labels):
+        if label not in k_labels:
+          break
+        trailing.insert(0, self.shape[k_labels.index(label)])
+      bias = self.param("bias", self.bias_init, tuple(trailing), self.param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    variable = _dot_meta_variable(self, self.recipe)
+    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, variable.value)
+    _store(self, variable, new_meta)
+    if bias is not None:
+      y = y + bias.astype(y.dtype)
+    return y
+
+
+def _as_tuple(value) -> tuple:
+  return tuple(value) if isinstance(value, (tuple, list)) else (value,)
