@@ -5,7 +5,7 @@ state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
 """
 from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.recipes import CurrentScaling, DelayedScaling
-from fp8jax.meta import DotMeta, Fp8Meta, init_dot_meta, init_meta
+from fp8jax.meta import DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas
 from fp8jax.quantize import amax, dequantize, quantize
 from fp8jax.scaling import begin_step, end_step, merge_step, scale_from_amax
 from fp8jax.dot import fp8_dot_general
@@ -16,7 +16,7 @@ from fp8jax.training import accumulate_gradients, value_and_grad
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
     "CurrentScaling", "DelayedScaling",
-    "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta",
+    "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta", "merge_stacked_metas",
     "amax", "dequantize", "quantize",
     "begin_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",

@@ -95,6 +95,27 @@ def map_metas(fn, *trees):
   return jax.tree.map(fn, *trees, is_leaf=is_meta)
 
 
+def merge_stacked_metas(fp8_state, axis: int = 0):
+  """Combines metas stacked over layers (leading `axis`) into one shared meta.
+
+  Histories combine by max (the rule for any meta used several times); the
+  scale becomes the smallest of the layers' scales, which overflows none of them.
+  Use it to make the state for layers that share one meta, e.g. `nn.scan`
+  with `variable_carry="fp8_meta"`, from a per-layer initialization.
+
+  Args:
+    fp8_state: pytree of `Fp8Meta` whose arrays have a stacked `axis`.
+    axis: the layer axis.
+
+  Returns:
+    The same structure without that axis.
+  """
+  def merge(meta: Fp8Meta) -> Fp8Meta:
+    return dataclasses.replace(meta, scale=jnp.min(meta.scale, axis=axis),
+                               amax_history=jnp.max(meta.amax_history, axis=axis))
+  return map_metas(merge, fp8_state)
+
+
 def check_dot_meta(meta: Any, argname: str = "meta") -> None:
   """Raises a clear error unless `meta` is one (unstacked) `DotMeta`."""
   if not isinstance(meta, DotMeta):

@@ -16,8 +16,10 @@ record the amaxes of the initialization pass.
 Layers under `nn.scan`: give each layer its own meta with
 `variable_axes={"params": 0, "fp8_meta": 0}`, or share one meta between all
 scanned layers with `variable_carry="fp8_meta"` (amaxes then combine by max).
-Do not broadcast the collection (`variable_broadcast`): a broadcast meta cannot
-record amaxes.
+Flax cannot create a carried collection inside `init`; initialize the
+per-layer version and pass `fp8jax.merge_stacked_metas(variables["fp8_meta"])`
+as the shared state. Do not broadcast the collection (`variable_broadcast`):
+a broadcast meta cannot record amaxes.
 """
 from __future__ import annotations
 
