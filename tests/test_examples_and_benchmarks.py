@@ -8,7 +8,7 @@ from benchmarks import dense
 
 
 def test_train_mlp_example_learns_in_bf16_and_fp8(tmp_path):
-  results = train_mlp.main(["--steps", "60", "--width", "64", "--batch", "64",
+  results = train_mlp.main(["--steps", "150", "--width", "128", "--batch", "128", "--lr", "1e-2",
                             "--out", str(tmp_path)])
   for label, run in results.items():
     losses = run["losses"]
