@@ -3,6 +3,8 @@
 Everything is a pure function over explicit pytrees: parameters, optimizer
 state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
 """
+# Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
+from fp8jax import platform_guard  # noqa: F401
 from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.recipes import CurrentScaling, DelayedScaling
 from fp8jax.meta import DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas
@@ -12,6 +14,7 @@ from fp8jax.dot import fp8_dot_general
 from fp8jax.dense import fp8_dense
 from fp8jax.einsum import fp8_einsum
 from fp8jax.training import accumulate_gradients, value_and_grad
+from fp8jax import deviceless, lowering
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
@@ -21,4 +24,5 @@ __all__ = [
     "begin_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",
     "accumulate_gradients", "value_and_grad",
+    "deviceless", "lowering",
 ]

@@ -16,20 +16,50 @@ import glob
 import importlib.resources
 import importlib.util
 import os
+import shutil
 import tempfile
 from typing import Any, Callable, Sequence
 
 import jax
 
+from fp8jax import platform_guard  # noqa: F401  (the CUDA plugin must register quietly)
+
 H100_TARGET = "h100_sxm.txtpb"
+
+
+CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def cuda_plugin_module() -> str | None:
+  """The installed JAX CUDA plugin module (CUDA 12 or CUDA 13 build), or None."""
+  for name in CUDA_PLUGIN_MODULES:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return name
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+      return None
+  return None
 
 
 def deviceless_toolchain_missing() -> str | None:
   """Why a deviceless H100 compile cannot run here, or None if it can."""
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+  plugin = cuda_plugin_module()
+  if plugin is None:
     return ("the CUDA PJRT plugin is not installed; install fp8jax's 'hopper' extra "
             "(pip install 'fp8jax[hopper]').")
+  if plugin.endswith("cuda12") and not _ptxas_available():
+    return ("ptxas was not found (neither the nvidia-cuda-nvcc-cu12 package nor ptxas on "
+            "PATH); install fp8jax's 'hopper' extra (pip install 'fp8jax[hopper]').")
   return None
+
+
+def _ptxas_available() -> bool:
+  try:
+    if importlib.util.find_spec("nvidia.cuda_nvcc") is not None:
+      return True
+  except ModuleNotFoundError:
+    pass
+  return shutil.which("ptxas") is not None
 
 
 def h100_target_description() -> str:

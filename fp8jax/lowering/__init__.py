@@ -1,0 +1,42 @@
+"""Proves the Hopper lowering: which GEMMs of a compiled function run in FP8.
+
+    from fp8jax import lowering
+    report = lowering.inspect(train_step, params, opt_state, fp8_state, batch,
+                              compiler_options=lowering.CUBLAS_ONLY_OPTIONS)
+    print(report)            # one row per GEMM, then how each operand was produced
+    assert report.all_fp8    # every GEMM is __cublas$lt$matmul$f8
+
+Without a GPU the function is compiled for an H100 SXM ("deviceless", needs the
+'hopper' extra); with a GPU backend, for the local device. `fp8jax inspect`
+(or `python -m fp8jax.lowering`) does the same from the command line.
+
+What XLA does with fp8jax's GEMMs (jax 0.10.2, deviceless sm_90a):
+
+* With `xla_gpu_enable_triton_gemm=False` every fprop, dgrad and wgrad GEMM of
+  `fp8_dense` / `fp8_einsum` is `__cublas$lt$matmul$f8`, 2-D or batched input.
+  Dims that are not multiples of 16 (which cuBLASLt FP8 needs) are padded by
+  XLA inside the quantize fusion, in FP8, and the f32 product is sliced.
+* With XLA's default flags (and no autotuner, as deviceless) Triton takes every
+  FP8 GEMM. Its HLO operands stay FP8, but the kernel widens them to f16 in
+  registers (`mma.sync...f16.f16`, no FP8 `wgmma`): not FP8 tensor cores. On a
+  GPU the autotuner may pick cuBLAS instead; only the flag makes it certain.
+* cuBLASLt FP8 on Hopper takes "TN" operands: the contracted dim innermost in
+  memory. For `y = x @ W` (x [M, K], W [K, N], g = dy [M, N]) that needs
+  fprop: W^T; dgrad (g @ W^T): nothing; wgrad (x^T @ g): x^T and g^T. XLA
+  writes W^T inside W's quantize fusion, then for dgrad transposes that f8 W^T
+  back with a separate kernel (avoidable); x^T is a second output of x's
+  quantize fusion when XLA fuses it so; g^T is usually a separate f8 transpose.
+* `xla_allow_excess_precision` (on by default) lets XLA drop a cast to FP8 that
+  is followed by a widening cast: `dequantize(quantize(x))` then does no FP8
+  rounding at all on GPU.
+"""
+from fp8jax import platform_guard as _platform_guard  # noqa: F401  (before any backend use)
+from fp8jax.lowering.example import example_train_step
+from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS, inspect, inspect_hlo
+from fp8jax.lowering.report import (Convert, Gemm, GemmKind, LoweringReport, Operand,
+                                    Transpose)
+
+__all__ = [
+    "inspect", "inspect_hlo", "CUBLAS_ONLY_OPTIONS", "example_train_step",
+    "LoweringReport", "Gemm", "GemmKind", "Operand", "Transpose", "Convert",
+]

@@ -1,0 +1,223 @@
+"""The lowering report: what every GEMM of a compiled function became.
+
+Plain frozen dataclasses, so a test can assert on fields and a person can
+print the report (`str(report)` is a table with one block per GEMM).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+FP8_DTYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz",
+              "f8e3m4", "f8e8m0fnu")
+
+
+def is_fp8(dtype: str) -> bool:
+  """True for an XLA FP8 dtype name such as 'f8e4m3fn'."""
+  return dtype in FP8_DTYPES
+
+
+class GemmKind(str, enum.Enum):
+  """How XLA lowered one GEMM."""
+
+  CUBLASLT_FP8 = "cublaslt-fp8"   # custom call __cublas$lt$matmul$f8: FP8 tensor cores
+  CUBLAS = "cublas"               # __cublas$lt$matmul or __cublas$gemm: a non-FP8 GEMM
+  TRITON = "triton"               # a Triton GEMM fusion (kind=kCustom, __triton_*gemm*)
+  DOT = "dot"                     # a `dot` XLA left in the HLO (emitted as a loop/reduction)
+  OTHER = "other"                 # anything else holding a dot (cuDNN fusion, custom fusion)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+  """A physical transpose on an operand's path (a buffer written in another element order).
+
+  Attributes:
+    instruction: the HLO instruction (usually a fusion) that writes the transposed buffer.
+    dtype: dtype of the transposed data (f8 if XLA transposed after quantizing).
+    in_quantize: True when the transpose is fused into the fusion that quantizes
+      the tensor (the data is read once, written in both layouts), False for a
+      separate transpose kernel.
+  """
+
+  instruction: str
+  dtype: str
+  in_quantize: bool
+
+  def __str__(self) -> str:
+    where = "fused into the quantize" if self.in_quantize else "separate kernel"
+    return f"{self.instruction} ({self.dtype}, {where})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Convert:
+  """A dtype conversion on an operand's path."""
+
+  source: str
+  target: str
+  instruction: str
+
+  @property
+  def upcasts_fp8(self) -> bool:
+    """True when an FP8 value is widened (the GEMM then does not see FP8 data)."""
+    return is_fp8(self.source) and not is_fp8(self.target)
+
+  def __str__(self) -> str:
+    return f"{self.source}->{self.target}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """One GEMM operand and how XLA produced it.
+
+  Attributes:
+    shape: shape as the GEMM reads it, e.g. 'f8e4m3fn[64,128]'.
+    dtype: dtype the GEMM reads (for a Triton fusion: at the `dot` inside it).
+    contracting_minor: whether the contracting dim is the innermost in memory
+      (what cuBLASLt FP8 needs on Hopper: "TN"); None if unknown.
+    transposes: physical transposes on the path from the traced source.
+    converts: dtype conversions on the path, nearest the GEMM last.
+    pads: pads on the path ('dims 100->112 in loop_pad_fusion.1').
+    quantized_in: the instruction that casts the tensor to FP8, if on the path.
+    source: where the trace stopped (the quantized tensor's input, a parameter,
+      another GEMM's output, or an op the trace does not look through).
+  """
+
+  shape: str
+  dtype: str
+  contracting_minor: bool | None
+  transposes: tuple[Transpose, ...]
+  converts: tuple[Convert, ...]
+  pads: tuple[str, ...]
+  quantized_in: str | None
+  source: str
+
+  @property
+  def upcast_fp8(self) -> bool:
+    """True if FP8 data on the path is converted to a wider type before the GEMM."""
+    return any(c.upcasts_fp8 for c in self.converts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+  """One GEMM in the optimized HLO.
+
+  Attributes:
+    name: the HLO instruction (custom call or fusion).
+    kind: how it was lowered (`GemmKind`).
+    target: the custom-call target or the fusion kind ('__cublas$lt$matmul$f8', ...).
+    lhs, rhs: the two operands.
+    output: output shape, e.g. 'f32[64,256]'.
+    op_name: the JAX op in the metadata ('.../transpose(jvp())/dot_general' is backward).
+    ptx_mma: for kernels XLA generated (Triton), the matrix instructions in its PTX;
+      empty when there is no PTX (cuBLAS is a library) or it was not collected.
+    runs_in_fp8: whether this GEMM is shown to run on FP8 tensor cores.
+    why_not_fp8: for a GEMM that does not, the reason in words ('' otherwise).
+  """
+
+  name: str
+  kind: GemmKind
+  target: str
+  lhs: Operand
+  rhs: Operand
+  output: str
+  op_name: str
+  ptx_mma: tuple[str, ...]
+  runs_in_fp8: bool
+  why_not_fp8: str
+
+  @property
+  def operand_dtypes(self) -> tuple[str, str]:
+    return (self.lhs.dtype, self.rhs.dtype)
+
+  @property
+  def output_dtype(self) -> str:
+    return self.output.split("[")[0]
+
+  @property
+  def is_backward(self) -> bool:
+    """True for a GEMM of the backward pass (JAX names those 'transpose(jvp(...))')."""
+    return "transpose(" in self.op_name
+
+  @property
+  def transposes(self) -> tuple[Transpose, ...]:
+    return self.lhs.transposes + self.rhs.transposes
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringReport:
+  """Every GEMM of one compiled function.
+
+  Attributes:
+    target: what it was compiled for ('H100 SXM, sm_90a (deviceless)' or a device kind).
+    compiler_options: the XLA options used ({} = XLA defaults, None = not known).
+    gemms: one `Gemm` per GEMM, in HLO order.
+    hlo: the optimized HLO text the report was read from.
+  """
+
+  target: str
+  compiler_options: dict | None
+  gemms: tuple[Gemm, ...]
+  hlo: str = dataclasses.field(repr=False, default="")
+
+  @property
+  def num_fp8(self) -> int:
+    return sum(g.runs_in_fp8 for g in self.gemms)
+
+  @property
+  def all_fp8(self) -> bool:
+    """True if there is at least one GEMM and every GEMM runs in FP8."""
+    return bool(self.gemms) and self.num_fp8 == len(self.gemms)
+
+  def summary(self) -> str:
+    """'N of M GEMMs run in FP8'."""
+    return f"{self.num_fp8} of {len(self.gemms)} GEMMs run in FP8"
+
+  def gemms_by_kind(self) -> dict[GemmKind, tuple[Gemm, ...]]:
+    """The GEMMs grouped by `GemmKind` (only kinds that occur)."""
+    groups: dict[GemmKind, list[Gemm]] = {}
+    for gemm in self.gemms:
+      groups.setdefault(gemm.kind, []).append(gemm)
+    return {kind: tuple(items) for kind, items in groups.items()}
+
+  def not_fp8(self) -> tuple[Gemm, ...]:
+    return tuple(g for g in self.gemms if not g.runs_in_fp8)
+
+  def __str__(self) -> str:
+    if self.compiler_options is None:
+      options = "compiler options not recorded"
+    else:
+      options = ", ".join(f"{k}={v}" for k, v in sorted(self.compiler_options.items())
+                          if k != "xla_dump_to") or "XLA defaults"
+    lines = [f"GEMM lowering for {self.target} [{options}]",
+             f"{self.summary()}"]
+    counts = ", ".join(f"{len(v)} {k.value}" for k, v in self.gemms_by_kind().items())
+    if counts:
+      lines[-1] += f" ({counts})"
+    header = f"{'#':>3}  {'kind':<13} {'lhs':<20} {'rhs':<20} {'out':<14} {'fp8':<4} {'pass':<8} transposes"
+    lines += ["", header, "-" * len(header)]
+    for i, g in enumerate(self.gemms):
+      direction = "backward" if g.is_backward else "forward"
+      n_transposes = len(g.transposes)
+      lines.append(f"{i:>3}  {g.kind.value:<13} {g.lhs.shape:<20} {g.rhs.shape:<20} "
+                   f"{g.output:<14} {'yes' if g.runs_in_fp8 else 'NO':<4} {direction:<8} "
+                   f"{n_transposes}")
+    for i, g in enumerate(self.gemms):
+      lines += ["", f"[{i}] {g.name}: {g.target}  ({g.op_name or 'no op_name'})"]
+      if not g.runs_in_fp8:
+        lines.append(f"    not FP8: {g.why_not_fp8}")
+      if g.ptx_mma:
+        lines.append(f"    PTX: {', '.join(g.ptx_mma)}")
+      for label, op in (("lhs", g.lhs), ("rhs", g.rhs)):
+        parts = [f"{op.shape}"]
+        if op.contracting_minor is not None:
+          parts.append("K innermost" if op.contracting_minor else "K NOT innermost")
+        if op.quantized_in:
+          parts.append(f"quantized in {op.quantized_in}")
+        parts.append("transposes: " + ("; ".join(map(str, op.transposes)) or "none"))
+        if op.converts:
+          parts.append("converts: " + ", ".join(map(str, op.converts)))
+        if op.pads:
+          parts.append("pads: " + "; ".join(op.pads))
+        parts.append(f"from {op.source}")
+        lines.append(f"    {label}: " + " | ".join(parts))
+    return "\n".join(lines)
