@@ -14,7 +14,8 @@ from fp8jax.dot import fp8_dot_general
 from fp8jax.dense import fp8_dense
 from fp8jax.einsum import fp8_einsum
 from fp8jax.training import accumulate_gradients, value_and_grad
-from fp8jax import deviceless, lowering
+from fp8jax.fused_attention import AttentionMeta, attention, fp8_attention, init_attention_meta
+from fp8jax import attention_backend, deviceless, lowering
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
@@ -24,5 +25,6 @@ __all__ = [
     "begin_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",
     "accumulate_gradients", "value_and_grad",
-    "deviceless", "lowering",
+    "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
+    "attention_backend", "deviceless", "lowering",
 ]

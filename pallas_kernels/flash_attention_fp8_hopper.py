@@ -56,6 +56,7 @@ P_SCALE = 256.0
 
 _FP8 = jnp.float8_e4m3fn
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 _COMPUTE_WGS = 2  # compute warpgroups per CTA; a third one issues the TMA copies
 
 
@@ -142,13 +143,15 @@ def _check_inputs(q, k, v_t, causal: bool, block_sizes: BlockSizes):
     raise ValueError(f"causal=True needs equal q and kv lengths; got {q_len} and {kv_len}.")
 
 
-def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, scoped, *,
+def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row_lse_ref,
+                    scoped, *,
                     block_sizes: BlockSizes, causal: bool, head_dim: int, kv_len: int,
                     q_heads_per_kv_head: int):
   """Body of one CTA: 2 * block_q query rows of one (batch, head)."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   num_stages = min(block_sizes.num_stages, kv_len // block_kv)
-  (q_smem2, p_smem2, o_smem2, amax_smem2, k_smem, vt_smem), ready, consumed, turn = scoped
+  (q_smem2, p_smem2, o_smem2, amax_smem2, lse_smem2, k_smem, vt_smem), ready, consumed, turn = (
+      scoped)
   k_ready, vt_ready, q_ready = ready
   k_consumed, vt_consumed = consumed
   batch = lax.axis_index("batch")
@@ -171,7 +174,7 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, sco
   def _compute():
     plgpu.set_max_registers(232, action="increase")
     q_smem, p_smem, o_smem = q_smem2.at[wg], p_smem2.at[wg], o_smem2.at[wg]
-    amax_smem = amax_smem2.at[wg]
+    amax_smem, lse_smem = amax_smem2.at[wg], lse_smem2.at[wg]
     q_base = cta_q_base + wg * block_q
     kv_steps = (pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32))
                 if causal else cta_kv_steps)
@@ -264,9 +267,13 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, sco
     o = acc * lax.broadcast_in_dim(out_scale / l_i, acc.shape, [0])
     o_smem[...] = o.astype(out_ref.dtype)
     amax_smem[...] = jnp.abs(o).max(axis=1)
+    # Natural-log log-sum-exp of the row's scaled logits, for the backward pass:
+    # sum_j exp(logit_j) = 2**m_i * l_i in the kernel's base-2 domain.
+    lse_smem[...] = (m_i + jnp.log2(l_i)) * _LN2
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_base, block_q), q_head])
     plgpu.copy_smem_to_gmem(amax_smem, row_amax_ref.at[batch, q_head, pl.ds(q_base, block_q)])
+    plgpu.copy_smem_to_gmem(lse_smem, row_lse_ref.at[batch, q_head, pl.ds(q_base, block_q)])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -310,6 +317,7 @@ def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: BlockSizes):
       plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), _FP8, transforms=pv_transforms),
       plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), jnp.bfloat16, transforms=o_transforms),
       plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
+      plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
       plgpu.SMEM((num_stages, block_kv, head_dim), _FP8, transforms=qk_transforms),
       plgpu.SMEM((num_stages, head_dim, block_kv), _FP8, transforms=pv_transforms),
   )
@@ -324,15 +332,17 @@ def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: BlockSizes):
       _forward_kernel, block_sizes=block_sizes, causal=causal, head_dim=head_dim,
       kv_len=kv_len, q_heads_per_kv_head=num_heads // num_kv_heads)
 
-  def entry(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref):
+  def entry(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row_lse_ref):
     pl.run_scoped(
-        lambda *scoped: body(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, scoped),
+        lambda *scoped: body(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref,
+                             row_lse_ref, scoped),
         scratch, *barriers, collective_axes="wg")
 
-  out, row_amax = plgpu.kernel(
+  out, row_amax, row_lse = plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
                 # seq minor, so each warpgroup's block_q row maxima are one 1-D TMA.
+                jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
                 jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)),
       grid=(num_heads, q_len // (_COMPUTE_WGS * block_q), batch),
       grid_names=("heads", "q_tiles", "batch"),
@@ -343,13 +353,14 @@ def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: BlockSizes):
   # Rounding to bfloat16 is monotonic, so the max of the rounded output is the
   # rounded max of the f32 values the kernel saw.
   out_amax = jnp.max(row_amax).astype(jnp.bfloat16).astype(jnp.float32)
-  return out, out_amax
+  return out, out_amax, row_lse
 
 
 def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
                         descale_q: jax.Array, descale_k: jax.Array, descale_v: jax.Array,
                         *, causal: bool = False, sm_scale: float | jax.Array | None = None,
-                        block_sizes: BlockSizes = BlockSizes()) -> tuple[jax.Array, jax.Array]:
+                        block_sizes: BlockSizes = BlockSizes(), return_lse: bool = False,
+                        ) -> tuple[jax.Array, ...]:
   """FP8 flash-attention forward on Hopper FP8 tensor cores (Mosaic GPU).
 
   Args:
@@ -367,7 +378,10 @@ def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
 
   Returns:
     (out, out_amax): out bfloat16 [batch, q_seq, heads, head_dim]; out_amax a
-    float32 scalar, max |out|, for the next FP8 cast of the output.
+    float32 scalar, max |out|, for the next FP8 cast of the output. With
+    `return_lse=True`, (out, out_amax, lse) where lse is float32 [batch, heads,
+    q_seq], the natural-log log-sum-exp of each row's scaled logits (what the
+    Pallas backward kernels recompute P from).
   """
   if plgpu is None:
     raise ImportError("flash_attention_fp8 needs jax.experimental.pallas.mosaic_gpu, which "
@@ -378,7 +392,8 @@ def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
   descales = [jnp.asarray(d, jnp.float32).reshape(()) for d in (descale_q, descale_k, descale_v)]
   scales = jnp.stack([descales[0] * descales[1] * jnp.float32(sm_scale) * _LOG2E,
                       descales[2] / P_SCALE])
-  return _forward(q, k, v_t, scales, causal=causal, block_sizes=block_sizes)
+  out, out_amax, lse = _forward(q, k, v_t, scales, causal=causal, block_sizes=block_sizes)
+  return (out, out_amax, lse) if return_lse else (out, out_amax)
 
 
 def flash_attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array,

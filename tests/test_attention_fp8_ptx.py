@@ -254,8 +254,9 @@ def test_kernel_matches_reference_on_hopper(causal):
                          logit_gain=4.0)
   dq, dk, dv = 0.5, 0.5, 1.5
   q, k, v = jax.device_put((q, k, v), device)
-  out, amax = jax.jit(fa.flash_attention_fp8, static_argnames=("causal",))(
-      q, k, fa.transpose_v(v), jnp.float32(dq), jnp.float32(dk), jnp.float32(dv), causal=causal)
+  out, amax, lse = jax.jit(fa.flash_attention_fp8, static_argnames=("causal", "return_lse"))(
+      q, k, fa.transpose_v(v), jnp.float32(dq), jnp.float32(dk), jnp.float32(dv), causal=causal,
+      return_lse=True)
   ref, _ = fa.flash_attention_fp8_reference(q, k, v, dq, dk, dv, causal=causal)
 
   # Error bound per output element. The kernel rounds every probability p_j
@@ -279,3 +280,7 @@ def test_kernel_matches_reference_on_hopper(causal):
   err = np.abs(np.asarray(out.astype(jnp.float32), np.float64) - ref64)
   assert np.all(err <= bound), f"max excess {np.max(err - bound)} at {np.unravel_index(np.argmax(err - bound), err.shape)}"
   assert float(amax) == float(jnp.max(jnp.abs(out.astype(jnp.float32))))
+  # lse uses the unrounded probabilities, so only exp2's approximation (about
+  # 2**-22 relative per term) and float32 sums separate it from float64.
+  ref_lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-4)

@@ -23,12 +23,14 @@ a broadcast meta cannot record amaxes.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
 from fp8jax.dense import fp8_dense
 from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum
@@ -188,3 +190,55 @@ class Fp8Einsum(nn.Module):
 
 def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+class Fp8MultiHeadAttention(nn.Module):
+  """Multi-head attention with FP8 projections and the fused (FP8 or bf16) attention kernel.
+
+  q, k, v and output projections are `Fp8DenseGeneral` layers; the attention
+  itself is `fp8jax.fp8_attention` (its `AttentionMeta` lives in the
+  "fp8_meta" collection) or, with `fp8_attention=False`, the bf16 kernel.
+
+  Attributes:
+    num_heads: query heads.
+    head_dim: features per head.
+    num_kv_heads: key/value heads (grouped-query attention); default num_heads.
+    causal: causal masking.
+    fp8_attention: run q, k, v and P in FP8 inside the kernel.
+    recipe: the FP8 recipe for all projections and the attention.
+    backend: force an attention backend (see `fp8jax.attention_backend`).
+  """
+
+  num_heads: int
+  head_dim: int
+  num_kv_heads: int | None = None
+  causal: bool = False
+  fp8_attention: bool = True
+  recipe: Recipe = DelayedScaling()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = default_kernel_init
+  backend: str | None = None
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+               q_segment_ids: jax.Array | None = None,
+               kv_segment_ids: jax.Array | None = None) -> jax.Array:
+    """inputs_q [batch, q_len, features] (and inputs_kv [batch, kv_len, features]) -> same shape as inputs_q."""
+    inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    kv_heads = self.num_kv_heads or self.num_heads
+    project = functools.partial(Fp8DenseGeneral, use_bias=False, recipe=self.recipe,
+                                dtype=self.dtype, param_dtype=self.param_dtype,
+                                kernel_init=self.kernel_init)
+    q = project((self.num_heads, self.head_dim), name="query")(inputs_q)
+    k = project((kv_heads, self.head_dim), name="key")(inputs_kv)
+    v = project((kv_heads, self.head_dim), name="value")(inputs_kv)
+    kwargs = dict(causal=self.causal, q_segment_ids=q_segment_ids,
+                  kv_segment_ids=kv_segment_ids, backend=self.backend)
+    if self.fp8_attention:
+      variable = self.variable(FP8_COLLECTION, "attention_meta", init_attention_meta, self.recipe)
+      out, new_meta = fp8_attention(q, k, v, variable.value, **kwargs)
+      _store(self, variable, new_meta)
+    else:
+      out = attention(q, k, v, **kwargs)
+    return project(inputs_q.shape[-1], axis=(-2, -1), name="out")(out)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
 from fp8jax.dense import fp8_dense
 from fp8jax.einsum import fp8_einsum
 from fp8jax.meta import init_dot_meta
@@ -86,3 +87,41 @@ class Fp8Einsum(nnx.Module):
     y, new_meta = fp8_einsum(self.einsum_str, x, kernel, _get(self.fp8_meta))
     _set(self.fp8_meta, new_meta)
     return y
+
+
+class Fp8MultiHeadAttention(nnx.Module):
+  """Self/cross attention with FP8 projections and the fused (FP8 or bf16) attention kernel.
+
+  The attention's `AttentionMeta` is an `Fp8MetaVariable`, like the projections' metas.
+  """
+
+  def __init__(self, features: int, num_heads: int, head_dim: int, *,
+               num_kv_heads: int | None = None, causal: bool = False,
+               fp8_attention: bool = True, recipe: Recipe = DelayedScaling(),
+               dtype: Any = None, param_dtype: Any = jnp.float32, backend: str | None = None,
+               rngs: nnx.Rngs):
+    check_recipe(recipe)
+    kv_heads = num_kv_heads or num_heads
+    self.causal, self.backend, self.use_fp8_attention = causal, backend, fp8_attention
+    project = lambda spec, shape: Fp8Einsum(spec, shape, recipe=recipe, dtype=dtype,
+                                            param_dtype=param_dtype, rngs=rngs)
+    self.query = project("bsd,dhk->bshk", (features, num_heads, head_dim))
+    self.key = project("bsd,dhk->bshk", (features, kv_heads, head_dim))
+    self.value = project("bsd,dhk->bshk", (features, kv_heads, head_dim))
+    self.out = project("bshk,hkd->bsd", (num_heads, head_dim, features))
+    self.attention_meta = Fp8MetaVariable(init_attention_meta(recipe)) if fp8_attention else None
+
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+               q_segment_ids: jax.Array | None = None,
+               kv_segment_ids: jax.Array | None = None) -> jax.Array:
+    """inputs_q [batch, q_len, features] (and inputs_kv) -> [batch, q_len, features]."""
+    inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    q, k, v = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
+    kwargs = dict(causal=self.causal, q_segment_ids=q_segment_ids,
+                  kv_segment_ids=kv_segment_ids, backend=self.backend)
+    if self.use_fp8_attention:
+      out, new_meta = fp8_attention(q, k, v, _get(self.attention_meta), **kwargs)
+      _set(self.attention_meta, new_meta)
+    else:
+      out = attention(q, k, v, **kwargs)
+    return self.out(out)

@@ -1,0 +1,154 @@
+"""Which attention implementation runs: a pure, cached function of a small static key.
+
+The key holds only what decides the backend (platform, dtypes, head_dim, mask
+kind, recipe *type*, GQA ratio, a size class). Scale and amax values never
+enter it, so new FP8 state never re-runs selection; the selection itself is
+cached, so it runs once per distinct key and warns once per fallback.
+
+Backends:
+  "pallas"            the fused Pallas flash-attention kernels (Triton-lowered on
+                      GPUs; the Pallas interpreter on CPU), bf16 and FP8.
+  "pallas_hopper_fp8" FP8 forward on Hopper FP8 tensor cores (Mosaic GPU,
+                      wgmma e4m3), with the Pallas backward kernels.
+  "cudnn"             `jax.nn.dot_product_attention(implementation="cudnn")`, bf16.
+  "xla"               plain XLA attention (`jax.nn.dot_product_attention` with
+                      implementation="xla"); the reference path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+
+from pallas_kernels.flash_attention import SUPPORTED_HEAD_DIMS as PALLAS_HEAD_DIMS
+
+BACKENDS = ("pallas", "pallas_hopper_fp8", "cudnn", "xla")
+# The Hopper FP8 kernel's constraints (see pallas_kernels/flash_attention_fp8_hopper.py).
+HOPPER_FP8_HEAD_DIMS = (64, 128)
+HOPPER_FP8_SEQ_MULTIPLE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendKey:
+  """Everything backend selection may depend on, and nothing else.
+
+  Attributes:
+    platform: "cpu", "gpu" or "tpu" (the default JAX backend).
+    gpu_arch: e.g. "sm_90" on a Hopper GPU; None elsewhere.
+    dtype: the inputs' dtype name ("bfloat16", "float16", "float32").
+    fp8: whether q, k, v are quantized to FP8.
+    head_dim: the head dimension.
+    mask: "none", "causal", "segments" or "causal+segments".
+    recipe_type: the scaling recipe's class name, or None for bf16 attention.
+    gqa_ratio: query heads per key/value head.
+    size_class: "aligned" when both sequence lengths are equal multiples of 128
+      (what the Hopper FP8 kernel needs), else "unaligned".
+  """
+
+  platform: str
+  gpu_arch: str | None
+  dtype: str
+  fp8: bool
+  head_dim: int
+  mask: str
+  recipe_type: str | None
+  gqa_ratio: int
+  size_class: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+  """The selected backend and, when it is not the fast path, why."""
+
+  name: str
+  reason: str | None = None
+
+
+def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: bool,
+             recipe_type: str | None, platform: str, gpu_arch: str | None) -> BackendKey:
+  """Builds the `BackendKey` for q [b, q_len, heads, d] and k [b, kv_len, kv_heads, d]."""
+  mask = "+".join(m for m, on in (("causal", causal), ("segments", has_segments)) if on) or "none"
+  q_len, kv_len = q_shape[1], k_shape[1]
+  aligned = q_len == kv_len and q_len % HOPPER_FP8_SEQ_MULTIPLE == 0
+  return BackendKey(platform=platform, gpu_arch=gpu_arch, dtype=str(dtype), fp8=fp8,
+                    head_dim=int(q_shape[-1]), mask=mask, recipe_type=recipe_type,
+                    gqa_ratio=int(q_shape[2] // k_shape[2]),
+                    size_class="aligned" if aligned else "unaligned")
+
+
+def _why_not_hopper_fp8(key: BackendKey) -> str | None:
+  if key.gpu_arch != "sm_90":
+    return f"the GPU is {key.gpu_arch}, not Hopper (sm_90)"
+  if key.head_dim not in HOPPER_FP8_HEAD_DIMS:
+    return f"head_dim {key.head_dim} is not one of {HOPPER_FP8_HEAD_DIMS}"
+  if "segments" in key.mask:
+    return "segment ids (padding masks) are not supported by that kernel"
+  if key.size_class != "aligned":
+    return (f"q and kv lengths must be equal multiples of {HOPPER_FP8_SEQ_MULTIPLE}")
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def select_backend(key: BackendKey, requested: str | None = None) -> BackendChoice:
+  """Chooses the attention backend for `key`; warns once when off the fast path.
+
+  Args:
+    key: the static description of the call.
+    requested: a backend name the caller insists on, or None to choose.
+
+  Returns:
+    The `BackendChoice`.
+
+  Raises:
+    ValueError: an unknown backend name, or a requested backend that cannot run `key`.
+  """
+  if requested is not None:
+    if requested not in BACKENDS:
+      raise ValueError(f"backend={requested!r} is not one of {BACKENDS} (or None to choose).")
+    problem = _cannot_run(requested, key)
+    if problem:
+      raise ValueError(f"backend={requested!r} cannot run this attention: {problem}.")
+    return BackendChoice(requested)
+  choice = _choose(key)
+  if choice.reason:
+    warnings.warn(f"fp8jax attention uses the {choice.name!r} backend: {choice.reason}.",
+                  stacklevel=4)
+  return choice
+
+
+def _cannot_run(name: str, key: BackendKey) -> str | None:
+  if name == "pallas" and key.head_dim not in PALLAS_HEAD_DIMS:
+    return f"head_dim {key.head_dim} is not one of {PALLAS_HEAD_DIMS}"
+  if name == "pallas_hopper_fp8":
+    if not key.fp8:
+      return "it is an FP8 kernel and the inputs are not quantized"
+    return _why_not_hopper_fp8(key)
+  if name == "cudnn":
+    if key.platform != "gpu":
+      return f"cuDNN needs a GPU, the platform is {key.platform}"
+    if key.fp8:
+      return "fp8jax runs FP8 attention in its own kernels, not cuDNN"
+    if "segments" in key.mask:
+      return "segment ids are not expressible as cuDNN sequence lengths"
+  return None
+
+
+def _choose(key: BackendKey) -> BackendChoice:
+  if key.head_dim not in PALLAS_HEAD_DIMS:
+    reason = f"head_dim {key.head_dim} is not one of the fused kernel's {PALLAS_HEAD_DIMS}"
+    if _cannot_run("cudnn", key) is None:
+      return BackendChoice("cudnn", reason)
+    return BackendChoice("xla", reason)
+  if key.platform == "cpu":
+    return BackendChoice("pallas")  # the fused kernel, run by the Pallas interpreter
+  if key.platform != "gpu":
+    return BackendChoice("xla", f"no fused kernel for the {key.platform} platform")
+  if key.fp8:
+    why_not = _why_not_hopper_fp8(key)
+    if why_not is None:
+      return BackendChoice("pallas_hopper_fp8")
+    return BackendChoice(
+        "pallas", f"the Hopper FP8 tensor-core kernel does not apply ({why_not}); the "
+        "Triton-lowered kernel's FP8 dots run as f16 mma.sync, slower than bf16")
+  return BackendChoice("pallas")

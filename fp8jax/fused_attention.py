@@ -1,0 +1,246 @@
+"""Attention: fused flash attention in bf16, and in FP8 with explicit `AttentionMeta`.
+
+    out = attention(q, k, v, causal=True)                         # bf16/f16/f32
+    out, meta = fp8_attention(q, k, v, meta, causal=True)         # FP8 q, k, v and P
+
+Layout [batch, seq, heads, head_dim]; k and v may have fewer heads than q
+(grouped-query / multi-query attention). Padding is expressed with segment ids:
+a query attends to keys of equal id only.
+
+FP8 (`fp8_attention`): q, k, v are quantized to E4M3 with their roles' scales
+(delayed or current, as the recipe says); the kernel multiplies the descales
+back in, quantizes the softmax probabilities P to E4M3 with a fixed scale for
+the P.V product, and returns a bf16 output and max|O|. The forward records the
+amaxes of q, k, v and o in the returned meta; the backward records the output
+gradient's amax in the meta's cotangent (role `grad`), as `fp8jax.fp8_dot_general`
+does, so `fp8jax.value_and_grad` threads it the same way. The backward is
+straight-through: exact-attention gradients at the dequantized q, k, v.
+
+The backend is chosen once per static configuration by
+`fp8jax.attention_backend.select_backend`; off the fast path it warns once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.attention_backend import BackendChoice, make_key, select_backend
+from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
+from fp8jax.quantize import amax, quantize_with_meta
+from fp8jax.recipes import Recipe, check_recipe
+from fp8jax.scaling import record_amax
+from fp8jax.validation import check_floating
+from pallas_kernels import flash_attention as pallas_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMeta:
+  """FP8 state of one attention: inputs q, k, v, output o, and output gradient `grad`."""
+
+  q: Fp8Meta
+  k: Fp8Meta
+  v: Fp8Meta
+  o: Fp8Meta
+  grad: Fp8Meta
+
+  @property
+  def recipe(self) -> Recipe:
+    return self.q.recipe
+
+
+jax.tree_util.register_dataclass(
+    AttentionMeta, data_fields=["q", "k", "v", "o", "grad"], meta_fields=[])
+
+_FORWARD_ROLES = ("q", "k", "v", "o")
+
+
+def init_attention_meta(recipe: Recipe) -> AttentionMeta:
+  """Fresh `AttentionMeta`: q, k, v, o in the recipe's forward format, grad in its gradient format."""
+  check_recipe(recipe)
+  forward = {role: init_meta(recipe, recipe.forward_format) for role in _FORWARD_ROLES}
+  return AttentionMeta(**forward, grad=init_meta(recipe, recipe.gradient_format))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """Static configuration of one attention call (hashable: a custom_vjp nondiff arg)."""
+
+  backend: str
+  causal: bool
+  sm_scale: float | None
+
+
+def _platform() -> tuple[str, str | None]:
+  platform = jax.default_backend()
+  arch = None
+  if platform == "gpu":
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability:
+      arch = "sm_" + str(capability).replace(".", "")
+  return platform, arch
+
+
+def choose_backend(q, k, *, fp8: bool, causal: bool, has_segments: bool,
+                   recipe: Recipe | None = None, backend: str | None = None) -> BackendChoice:
+  """The backend `attention` / `fp8_attention` will use for these arguments."""
+  platform, arch = _platform()
+  key = make_key(q.shape, k.shape, jnp.dtype(q.dtype).name, fp8=fp8, causal=causal,
+                 has_segments=has_segments,
+                 recipe_type=type(recipe).__name__ if recipe is not None else None,
+                 platform=platform, gpu_arch=arch)
+  return select_backend(key, backend)
+
+
+def _check_qkv(q, k, v, q_segment_ids, kv_segment_ids):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_floating(x, name)
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got shape {x.shape}.")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}.")
+  if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+    raise ValueError(f"k {k.shape} must share batch and head_dim with q {q.shape}.")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} heads.")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither.")
+  if q_segment_ids is not None:
+    for name, ids, x in (("q_segment_ids", q_segment_ids, q),
+                         ("kv_segment_ids", kv_segment_ids, k)):
+      if jnp.shape(ids) != x.shape[:2]:
+        raise ValueError(f"{name} must have shape [batch, seq] = {x.shape[:2]}; "
+                         f"got {jnp.shape(ids)}.")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+              q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+              sm_scale: float | None = None, backend: str | None = None) -> jax.Array:
+  """Fused attention in bf16/f16 (f32 inputs are computed in bf16 by the fused kernel).
+
+  Args:
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim].
+    causal: query i attends to keys j <= i.
+    q_segment_ids, kv_segment_ids: optional int [batch, seq]; attend within equal ids.
+    sm_scale: logit multiplier (default 1/sqrt(head_dim)).
+    backend: force "pallas", "cudnn" or "xla"; None chooses.
+
+  Returns:
+    [batch, q_len, heads, head_dim] in q's dtype.
+  """
+  _check_qkv(q, k, v, q_segment_ids, kv_segment_ids)
+  choice = choose_backend(q, k, fp8=False, causal=causal,
+                          has_segments=q_segment_ids is not None, backend=backend)
+  if choice.name == "pallas":
+    return pallas_attention.flash_attention(
+        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        causal=causal, sm_scale=sm_scale)
+  return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
+                             implementation=choice.name).astype(q.dtype)
+
+
+def _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
+                        implementation):
+  mask = None
+  if q_segment_ids is not None:
+    mask = (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, is_causal=causal,
+                                      implementation=implementation)
+
+
+def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, *,
+                  causal: bool = False, q_segment_ids: jax.Array | None = None,
+                  kv_segment_ids: jax.Array | None = None, sm_scale: float | None = None,
+                  backend: str | None = None) -> tuple[jax.Array, AttentionMeta]:
+  """FP8 fused attention with explicit FP8 state.
+
+  Args:
+    q: [batch, q_len, heads, head_dim], bf16/f16/f32 (quantized here with `meta.q`).
+    k, v: [batch, kv_len, kv_heads, head_dim] (quantized with `meta.k`, `meta.v`).
+    meta: this attention's `AttentionMeta` (from `init_attention_meta(recipe)`).
+    causal, q_segment_ids, kv_segment_ids, sm_scale: as for `attention`.
+    backend: force "pallas", "pallas_hopper_fp8" or "xla"; None chooses.
+
+  Returns:
+    (out, new_meta): out [batch, q_len, heads, head_dim] in q's dtype (bf16
+    accuracy); new_meta with this call's amaxes of q, k, v and o recorded.
+  """
+  _check_qkv(q, k, v, q_segment_ids, kv_segment_ids)
+  if not isinstance(meta, AttentionMeta):
+    raise TypeError(f"meta must be a fp8jax.AttentionMeta (make one with "
+                    f"fp8jax.init_attention_meta(recipe)), got {type(meta).__name__}.")
+  for role in _FORWARD_ROLES + ("grad",):
+    check_role_meta(getattr(meta, role), f"meta.{role}")
+  choice = choose_backend(q, k, fp8=True, causal=causal,
+                          has_segments=q_segment_ids is not None, recipe=meta.recipe,
+                          backend=backend)
+  call = _Call(choice.name, causal, sm_scale)
+  return _fp8_attention(q, k, v, meta, q_segment_ids, kv_segment_ids, call)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fp8_attention(q, k, v, meta, q_seg, kv_seg, call):
+  out, new_meta, _ = _fp8_forward(q, k, v, meta, q_seg, kv_seg, call)
+  return out, new_meta
+
+
+def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
+  q8, scale_q, meta_q = quantize_with_meta(q, meta.q)
+  k8, scale_k, meta_k = quantize_with_meta(k, meta.k)
+  v8, scale_v, meta_v = quantize_with_meta(v, meta.v)
+  descales = (1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v)
+  if call.backend == "xla":
+    dequantized = [(x8.astype(jnp.float32) * d) for x8, d in zip((q8, k8, v8), descales)]
+    out = _xla_like_attention(*dequantized, call.causal, q_seg, kv_seg, call.sm_scale, "xla")
+    out_amax, lse = amax(out), None
+    out = out.astype(jnp.bfloat16)
+  else:
+    out, out_amax, lse = _fused_fp8_forward(call.backend, q8, k8, v8, descales, q_seg, kv_seg,
+                                            call)
+  new_meta = dataclasses.replace(meta, q=meta_q, k=meta_k, v=meta_v,
+                                 o=record_amax(meta.o, out_amax))
+  residuals = (q8, k8, v8, descales, out, lse, q_seg, kv_seg, jnp.zeros((), q.dtype),
+               jnp.zeros((), k.dtype), jnp.zeros((), v.dtype))
+  return out.astype(q.dtype), new_meta, residuals
+
+
+def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
+  if backend == "pallas_hopper_fp8":
+    from pallas_kernels import flash_attention_fp8_hopper as hopper
+    out, out_amax, lse = hopper.flash_attention_fp8(
+        q8, k8, hopper.transpose_v(v8), *descales, causal=call.causal,
+        sm_scale=call.sm_scale, return_lse=True)
+    return out, out_amax, lse
+  result = pallas_attention.flash_attention_forward(
+      q8, k8, v8, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale)
+  return result.out, result.out_amax, result.lse
+
+
+def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
+  out, new_meta, residuals = _fp8_forward(q, k, v, meta, q_seg, kv_seg, call)
+  return (out, new_meta), residuals
+
+
+def _fp8_attention_bwd(call, residuals, cotangents):
+  q8, k8, v8, descales, out, lse, q_seg, kv_seg, q_like, k_like, v_like = residuals
+  g, meta_cotangent = cotangents
+  if call.backend == "xla":
+    dequantized = [(x8.astype(jnp.float32) * d) for x8, d in zip((q8, k8, v8), descales)]
+    _, vjp = jax.vjp(lambda q, k, v: _xla_like_attention(
+        q, k, v, call.causal, q_seg, kv_seg, call.sm_scale, "xla"), *dequantized)
+    dq, dk, dv = vjp(g.astype(jnp.float32))
+  else:
+    dq, dk, dv = pallas_attention.flash_attention_backward(
+        q8, k8, v8, out, lse, g.astype(out.dtype), descale_q=descales[0],
+        descale_k=descales[1], descale_v=descales[2], q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale)
+  meta_in_cotangent = dataclasses.replace(
+      meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g)))
+  return (dq.astype(q_like.dtype), dk.astype(k_like.dtype), dv.astype(v_like.dtype),
+          meta_in_cotangent, None, None)
+
+
+_fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
