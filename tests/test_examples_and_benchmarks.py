@@ -28,3 +28,14 @@ def test_dense_benchmark_smoke_writes_json(tmp_path):
   for row in saved["results"]:
     for name in ("bf16", "fp8_delayed", "fp8_current"):
       assert row[name]["median_s"] > 0 and row[name]["tflops"] > 0
+
+
+def test_attention_benchmark_smoke_records_each_implementation(tmp_path):
+  from benchmarks import attention
+  out = tmp_path / "attention.json"
+  attention.main(["--smoke", "--only", "pallas_bf16", "xla", "hopper_fp8", "--out", str(out)])
+  rows = json.loads(out.read_text())["results"]["implementations"]
+  for name in ("pallas_bf16", "xla"):
+    assert rows[name]["forward"]["tflops"] > 0 and rows[name]["backward_s"] > 0
+  # On a CPU the Hopper kernel cannot run; the report says why instead of a number.
+  assert "Hopper" in rows["hopper_fp8"]["skipped"]
