@@ -19,9 +19,7 @@ Implementations (each skipped with a note where it cannot run here):
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +28,9 @@ from tqdm import tqdm
 import fp8jax
 
 try:
-  from benchmarks.timing import environment, median_seconds
+  from benchmarks.timing import environment, median_seconds, write_report
 except ImportError:  # run as a script from benchmarks/
-  from timing import environment, median_seconds
+  from timing import environment, median_seconds, write_report
 
 
 def jnp_reference(q, k, v, causal):
@@ -111,11 +109,7 @@ def main(argv=None):
   report = {**environment(), "benchmark": "attention", "smoke": args.smoke,
             "results": run(args.batch, args.seq, args.heads, args.head_dim, args.causal,
                            args.repeats, args.only)}
-  if args.out:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+  write_report(report, args.out)
   return report
 
 

@@ -14,8 +14,6 @@ Target on an H100: fp8 >= 1.6x bf16 at 8192 (2x is the hardware limit).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +22,9 @@ from tqdm import tqdm
 import fp8jax
 
 try:
-  from benchmarks.timing import environment, median_seconds
+  from benchmarks.timing import environment, median_seconds, write_report
 except ImportError:  # run as a script from benchmarks/
-  from timing import environment, median_seconds
+  from timing import environment, median_seconds, write_report
 
 
 def bf16_step(x, kernel, g):
@@ -74,11 +72,7 @@ def main(argv=None):
   sizes, repeats = ([128, 256], 3) if args.smoke else (args.sizes, args.repeats)
   report = {**environment(), "benchmark": "dense_fwd_bwd", "smoke": args.smoke,
             "results": run(sizes, repeats)}
-  if args.out:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+  write_report(report, args.out)
   return report
 
 

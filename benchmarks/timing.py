@@ -1,6 +1,8 @@
 """Timing helpers shared by the benchmarks: warm-up, repeats, median, environment record."""
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
 import sys
@@ -35,3 +37,13 @@ def environment() -> dict:
   return {"device": getattr(device, "device_kind", str(device)), "platform": device.platform,
           "jax_version": jax.__version__, "python": platform.python_version(),
           "command": " ".join(sys.argv)}
+
+
+def write_report(report: dict, path: str | None) -> None:
+  """Writes `report` as JSON to `path` (creating its folder); does nothing for None."""
+  if not path:
+    return
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=1)
+  print(f"wrote {path}")
