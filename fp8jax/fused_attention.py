@@ -71,6 +71,9 @@ class _Call:
   backend: str
   causal: bool
   sm_scale: float | None
+  # Pallas interpreter: None decides by the default backend (CPU -> interpret);
+  # False compiles the kernels for a GPU, also from a CPU process (deviceless).
+  interpret: bool | None = None
 
 
 def _platform() -> tuple[str, str | None]:
@@ -215,7 +218,8 @@ def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
     return out, out_amax, lse
   result = pallas_attention.flash_attention_forward(
       q8, k8, v8, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
-      q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale)
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
+      interpret=call.interpret)
   return result.out, result.out_amax, result.lse
 
 
@@ -236,7 +240,8 @@ def _fp8_attention_bwd(call, residuals, cotangents):
     dq, dk, dv = pallas_attention.flash_attention_backward(
         q8, k8, v8, out, lse, g.astype(out.dtype), descale_q=descales[0],
         descale_k=descales[1], descale_v=descales[2], q_segment_ids=q_seg,
-        kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale)
+        kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
+        interpret=call.interpret)
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g)))
   return (dq.astype(q_like.dtype), dk.astype(k_like.dtype), dv.astype(v_like.dtype),
