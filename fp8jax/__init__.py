@@ -7,7 +7,8 @@ state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
 from fp8jax import platform_guard  # noqa: F401
 from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.recipes import CurrentScaling, DelayedScaling
-from fp8jax.meta import DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas
+from fp8jax.meta import (DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas,
+                         resize_history)
 from fp8jax.quantize import amax, dequantize, quantize
 from fp8jax.scaling import begin_step, end_step, merge_step, scale_from_amax
 from fp8jax.dot import fp8_dot_general
@@ -15,16 +16,19 @@ from fp8jax.dense import fp8_dense
 from fp8jax.einsum import fp8_einsum
 from fp8jax.training import accumulate_gradients, value_and_grad
 from fp8jax.fused_attention import AttentionMeta, attention, fp8_attention, init_attention_meta
+from fp8jax.sharding import all_reduce_amax
 from fp8jax import attention_backend, deviceless, lowering
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
     "CurrentScaling", "DelayedScaling",
     "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta", "merge_stacked_metas",
+    "resize_history",
     "amax", "dequantize", "quantize",
     "begin_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",
     "accumulate_gradients", "value_and_grad",
+    "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
     "attention_backend", "deviceless", "lowering",
 ]

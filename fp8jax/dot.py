@@ -29,6 +29,7 @@ import numpy as np
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import amax, quantize, quantize_with_meta, scale_for
 from fp8jax.scaling import record_amax
+from fp8jax.sharding import match_operand_axes
 from fp8jax.validation import check_floating
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -53,6 +54,7 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   check_floating(kernel, "kernel")
   check_dot_meta(meta, "meta")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
+  x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
   return _fp8_dot(x, kernel, meta, dims, jnp.dtype(kernel.dtype))
 
 
@@ -80,7 +82,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, residuals, cotangents):
   qx, qk, scale_x, scale_k, grad_meta = residuals
   g, meta_cotangent = cotangents
   g_amax = amax(g)
-  scale_g = scale_for(grad_meta, g_amax)
+  scale_g = scale_for(grad_meta, g_amax, like=g)
   qg = quantize(g, scale_g, grad_meta.fmt)
 
   dgrad_dims, dgrad_perm = dgrad_dimension_numbers(dims, qx.ndim, qk.ndim)

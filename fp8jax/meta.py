@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
 from fp8jax.recipes import Recipe, check_recipe
+from fp8jax.validation import check_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ jax.tree_util.register_dataclass(
 def init_meta(recipe: Recipe, fmt: Fp8Format) -> Fp8Meta:
   """A fresh role state: scale 1 and an all-zero amax history of the recipe's length."""
   check_recipe(recipe)
+  check_format(fmt, "fmt")
   return Fp8Meta(
       scale=jnp.ones((), jnp.float32),
       amax_history=jnp.zeros((recipe.history_len,), jnp.float32),
@@ -124,6 +126,20 @@ def check_dot_meta(meta: Any, argname: str = "meta") -> None:
         f"fp8jax.init_dot_meta(recipe)), got {type(meta).__name__}.")
   for role in ("x", "kernel", "grad"):
     check_role_meta(getattr(meta, role), f"{argname}.{role}")
+  recipe = meta.x.recipe
+  for role, want in (("kernel", recipe.forward_format), ("grad", recipe.gradient_format),
+                     ("x", recipe.forward_format)):
+    role_meta = getattr(meta, role)
+    if role_meta.recipe != recipe:
+      raise ValueError(
+          f"{argname}.{role} follows recipe {role_meta.recipe} but {argname}.x follows "
+          f"{recipe}: the roles of one DotMeta must share a recipe (was it assembled from "
+          "two layers' states?). Make it with fp8jax.init_dot_meta(recipe).")
+    if role_meta.fmt != want:
+      raise ValueError(
+          f"{argname}.{role} has format {role_meta.fmt} but recipe {recipe} casts the "
+          f"{role} role to {want}; were the roles swapped? Make the DotMeta with "
+          "fp8jax.init_dot_meta(recipe).")
 
 
 def check_role_meta(meta: Any, argname: str) -> None:
@@ -144,3 +160,63 @@ def check_role_meta(meta: Any, argname: str) -> None:
     dtype = jnp.result_type(getattr(meta, field))
     if dtype != jnp.float32:
       raise TypeError(f"{argname}.{field} must be float32, got {dtype}.")
+
+
+def check_fp8_state(fp8_state: Any, argname: str = "fp8_state") -> None:
+  """Raises a clear error unless every leaf of `fp8_state` lies inside an `Fp8Meta`.
+
+  Catches parameters (or a whole variables dict) passed where FP8 state belongs;
+  the step functions would otherwise leave them silently untouched. An empty
+  tree (a model without FP8 layers) is fine.
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(fp8_state, is_leaf=is_meta)
+  for path, leaf in leaves:
+    if not isinstance(leaf, Fp8Meta):
+      where = jax.tree_util.keystr(path) or "(root)"
+      raise TypeError(
+          f"{argname} must be a pytree of fp8jax.Fp8Meta (e.g. DotMeta per layer, or "
+          f"variables['fp8_meta'] of a linen model), but {argname}{where} is a "
+          f"{type(leaf).__name__} outside any Fp8Meta. Pass only the FP8 state, not "
+          "parameters or a whole variables dict.")
+
+
+def resize_history(fp8_state: Any, new_recipe: Recipe) -> Any:
+  """Converts FP8 state to `new_recipe`: a different history length, algo, margin or kind.
+
+  Each role keeps its newest `min(L_old, L_new)` amaxes (newest first) and is
+  padded with zeros at the old end; its scale is kept as it is (the next
+  `fp8jax.end_step` computes one by the new recipe's rule). Nothing else is
+  recomputed. The FP8 formats cannot change (their scales would be meaningless);
+  create fresh state with `fp8jax.init_dot_meta(new_recipe)` for that.
+
+  Args:
+    fp8_state: pytree of `Fp8Meta` (stacked metas too: the history is the last axis).
+    new_recipe: the recipe every meta is converted to.
+
+  Returns:
+    The same structure with `new_recipe` as every meta's recipe.
+
+  Raises:
+    ValueError: `new_recipe` uses other FP8 formats than a meta's recipe.
+  """
+  check_recipe(new_recipe, "new_recipe")
+  check_fp8_state(fp8_state, "fp8_state")
+  new_len = new_recipe.history_len
+
+  def convert(meta: Fp8Meta) -> Fp8Meta:
+    old = meta.recipe
+    if (old.forward_format, old.gradient_format) != (new_recipe.forward_format,
+                                                     new_recipe.gradient_format):
+      raise ValueError(
+          f"resize_history cannot change the FP8 formats: the state has "
+          f"fp8_format={old.fp8_format!r} but new_recipe={new_recipe} has "
+          f"fp8_format={new_recipe.fp8_format!r}. Its scales were made for the old formats; "
+          "start from fresh state (fp8jax.init_dot_meta(new_recipe)).")
+    history = meta.amax_history[..., :new_len]
+    pad = new_len - history.shape[-1]
+    if pad > 0:
+      history = jnp.concatenate(
+          [history, jnp.zeros(history.shape[:-1] + (pad,), history.dtype)], axis=-1)
+    return dataclasses.replace(meta, amax_history=history, recipe=new_recipe)
+
+  return map_metas(convert, fp8_state)

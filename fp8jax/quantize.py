@@ -8,6 +8,8 @@ from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta
 from fp8jax.recipes import CurrentScaling
 from fp8jax.scaling import record_amax, scale_from_amax
+from fp8jax.sharding import global_amax
+from fp8jax.validation import check_floating, check_format, check_fp8_array
 
 
 def quantize(x: jax.Array, scale: jax.Array, fmt: Fp8Format) -> jax.Array:
@@ -22,12 +24,15 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: Fp8Format) -> jax.Array:
     Array of `x`'s shape in `fmt.dtype`. The product is formed in float32, so
     the result is the round-to-nearest-even FP8 value of the float32 product.
   """
+  check_floating(x, "x")
+  check_format(fmt, "fmt")
   scaled = x.astype(jnp.float32) * scale
   return jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
   """`q * (1 / scale)` computed in float32, returned in `dtype`."""
+  check_fp8_array(q, "q")
   return (q.astype(jnp.float32) * (1.0 / scale)).astype(dtype)
 
 
@@ -40,18 +45,25 @@ def quantize_with_meta(x: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, jax.Arra
   """Quantizes `x` as `meta`'s recipe says and records `x`'s amax.
 
   Delayed scaling uses the stored `meta.scale`; current scaling computes the
-  scale from `x`'s own amax (keeping `meta.scale` if that amax is 0 or not finite).
+  scale from `x`'s own amax (keeping `meta.scale` if that amax is 0 or not finite);
+  inside `shard_map` that is the amax of the whole tensor, not of this shard.
 
   Returns:
     (q in meta.fmt.dtype, the float32[] scale used, meta with the amax recorded).
   """
   x_amax = amax(x)
-  scale = scale_for(meta, x_amax)
+  scale = scale_for(meta, x_amax, like=x)
   return quantize(x, scale, meta.fmt), scale, record_amax(meta, x_amax)
 
 
-def scale_for(meta: Fp8Meta, x_amax: jax.Array) -> jax.Array:
-  """The float32[] scale to quantize a tensor of amax `x_amax` with under `meta`."""
+def scale_for(meta: Fp8Meta, x_amax: jax.Array, like: jax.Array | None = None) -> jax.Array:
+  """The float32[] scale to quantize a tensor of amax `x_amax` with under `meta`.
+
+  `like` is the tensor itself: under `shard_map`, current scaling takes the max
+  of `x_amax` over the devices holding the other shards of that tensor.
+  """
   if isinstance(meta.recipe, CurrentScaling):
+    if like is not None:
+      x_amax = global_amax(x_amax, like)
     return scale_from_amax(x_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale)
   return meta.scale

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
-from fp8jax.meta import Fp8Meta, map_metas
+from fp8jax.meta import Fp8Meta, check_fp8_state, map_metas
+from fp8jax.validation import check_format
 
 
 def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
@@ -35,6 +36,9 @@ def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
   Returns:
     float32[] scale.
   """
+  check_format(fmt, "fmt")
+  if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+    raise ValueError(f"margin={margin!r} must be an integer >= 0.")
   amax = jnp.asarray(amax, jnp.float32)
   scale = jnp.float32(fmt.max / 2.0**margin) / amax
   usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
@@ -81,6 +85,7 @@ def begin_step(fp8_state):
   Returns:
     The same structure, ready to record this step's amaxes.
   """
+  check_fp8_state(fp8_state, "fp8_state")
   return map_metas(_open_step, fp8_state)
 
 
@@ -93,6 +98,7 @@ def end_step(fp8_state):
   Returns:
     The same structure with finite histories and the scales for the next step.
   """
+  check_fp8_state(fp8_state, "fp8_state")
   return map_metas(_close_step, fp8_state)
 
 
@@ -103,4 +109,11 @@ def merge_step(forward_state, cotangent_state):
   returns; gradient roles record theirs in the cotangent of the input state.
   Each side holds 0 for the roles it did not see, so a max per slot merges them.
   """
+  check_fp8_state(forward_state, "forward_state")
+  check_fp8_state(cotangent_state, "cotangent_state")
+  if jax.tree.structure(forward_state) != jax.tree.structure(cotangent_state):
+    raise ValueError(
+        "forward_state and cotangent_state must have the same structure (the state the "
+        "forward pass returned and the gradient with respect to the state it was given); "
+        f"got {jax.tree.structure(forward_state)} and {jax.tree.structure(cotangent_state)}.")
   return map_metas(_merge, forward_state, cotangent_state)

@@ -11,6 +11,11 @@ every FP8 op (for Flax linen: the `fp8_meta` collection returned by
 merge what the forward and backward passes recorded (max per role), and close
 the step, giving the scales for the next step. Parameters and FP8 state stay in
 separate trees, so an optimizer only ever sees parameter gradients.
+
+On a device mesh: under plain `jax.jit` with sharded arrays nothing changes.
+Inside `jax.shard_map` the in-step state is reduced by max over the devices
+before the step closes (see `fp8jax.sharding`); with `check_vma=False` or
+`pmap`, say over which axes with `axis_name`.
 """
 from __future__ import annotations
 
@@ -19,33 +24,46 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from fp8jax.meta import check_fp8_state
 from fp8jax.scaling import begin_step, end_step, merge_step
+from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
 
 
-def value_and_grad(loss_fn: Callable, has_aux: bool = False) -> Callable:
+def value_and_grad(loss_fn: Callable, has_aux: bool = False,
+                   axis_name: AxisName = None) -> Callable:
   """Wraps `loss_fn` to return `(loss, param_grads, next_fp8_state)`.
 
   Args:
     loss_fn: `(params, fp8_state, *args) -> (loss, new_fp8_state)`, or with
       `has_aux=True`, `-> ((loss, aux), new_fp8_state)`.
     has_aux: whether the loss comes with auxiliary data.
+    axis_name: for use inside `jax.shard_map(..., check_vma=False)` or `pmap`:
+      the mesh axis name (or tuple of names) over whose devices the recorded
+      amaxes are combined by max before the step closes. Not needed under plain
+      `jit` nor inside `shard_map` with `check_vma=True` (the default), where
+      fp8jax reduces over every axis along which the state became device-varying.
+      Gradients are not reduced: that stays the caller's choice (note that with
+      `check_vma=True` JAX already sums the gradients of replicated parameters).
 
   Returns:
     A function `(params, fp8_state, *args) -> (loss, grads, next_fp8_state)`,
     or `((loss, aux), grads, next_fp8_state)` with `has_aux=True`. `grads` has
     the structure of `params`; `next_fp8_state` that of `fp8_state`.
   """
+  _check_loss_fn(loss_fn)
+  normalize_axis_name(axis_name)
 
   def wrapped(params, fp8_state, *args):
-    state = begin_step(fp8_state)
+    check_fp8_state(fp8_state, "fp8_state")
+    state = _open(fp8_state, (params, args))
     value, grads, state = _differentiate(loss_fn, has_aux, params, state, args)
-    return value, grads, end_step(state)
+    return value, grads, _close(state, axis_name)
 
   return wrapped
 
 
 def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microbatches: Any,
-                         has_aux: bool = False):
+                         has_aux: bool = False, axis_name: AxisName = None):
   """Gradient accumulation over microbatches as one FP8 step.
 
   All microbatches use the step's scales; every role's recorded amax is the max
@@ -58,12 +76,22 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
     fp8_state: FP8 state at the start of the step.
     microbatches: pytree whose leaves have a leading axis of n microbatches.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
+    axis_name: as for `value_and_grad`.
 
   Returns:
     (mean loss, mean grads, next_fp8_state); with `has_aux`, `((mean loss, stacked aux),
     mean grads, next_fp8_state)`.
   """
-  sizes = {leaf.shape[0] for leaf in jax.tree.leaves(microbatches)}
+  _check_loss_fn(loss_fn)
+  normalize_axis_name(axis_name)
+  check_fp8_state(fp8_state, "fp8_state")
+  leaves = jax.tree.leaves(microbatches)
+  if not leaves or any(jnp.ndim(leaf) == 0 for leaf in leaves):
+    raise ValueError(
+        "microbatches must be a pytree of arrays with a leading microbatch axis, e.g. the "
+        "batch reshaped to [n_microbatches, microbatch_size, ...]; got "
+        f"{jax.tree.map(jnp.shape, microbatches)}.")
+  sizes = {jnp.shape(leaf)[0] for leaf in leaves}
   if len(sizes) != 1:
     raise ValueError(
         "microbatches must be a pytree whose leaves share one leading (microbatch) axis; "
@@ -77,25 +105,73 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
     return (grad_sum, state), value
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grad_sum, state), values = jax.lax.scan(one_microbatch, (zeros, begin_step(fp8_state)),
-                                            microbatches)
+  state = _open(fp8_state, (params, microbatches))
+  (grad_sum, state), values = jax.lax.scan(one_microbatch, (zeros, state), microbatches)
   grads = jax.tree.map(lambda g: g / n, grad_sum)
   if has_aux:
     losses, aux = values
     value = (jnp.mean(losses), aux)
   else:
     value = jnp.mean(values)
-  return value, grads, end_step(state)
+  return value, grads, _close(state, axis_name)
+
+
+def _open(fp8_state, inputs):
+  # Inside shard_map the state will record device-local amaxes: type it as
+  # device-varying along the inputs' axes from the start, so that the reduction
+  # is one pmax at the end of the step (and scan carries keep their type).
+  return vary_like(begin_step(fp8_state), varying_axes(inputs))
+
+
+def _close(state, axis_name):
+  if axis_name is not None or varying_axes(state):
+    state = all_reduce_amax(state, axis_name)
+  return end_step(state)
+
+
+def _check_loss_fn(loss_fn) -> None:
+  if not callable(loss_fn):
+    raise TypeError(
+        f"loss_fn must be a function (params, fp8_state, *args) -> (loss, new_fp8_state), "
+        f"got {type(loss_fn).__name__}: {loss_fn!r}.")
 
 
 def _differentiate(loss_fn, has_aux, params, state, args):
   """Forward + backward inside an open step; returns the merged in-step state."""
 
   def split_loss(p, s):
-    value, new_state = loss_fn(p, s, *args)
+    returned = loss_fn(p, s, *args)
+    if not isinstance(returned, tuple) or len(returned) != 2:
+      raise TypeError(
+          "loss_fn must return (loss, new_fp8_state)" + (
+              " with loss = (loss, aux) since has_aux=True" if has_aux else "") +
+          f"; got {type(returned).__name__}. Return the FP8 state threaded through the "
+          "FP8 ops as the second element.")
+    value, new_state = returned
+    if has_aux and (not isinstance(value, tuple) or len(value) != 2):
+      raise TypeError(
+          f"has_aux=True, so loss_fn must return ((loss, aux), new_fp8_state); its first "
+          f"element is a {type(value).__name__}.")
+    _check_same_structure(s, new_state)
     loss = value[0] if has_aux else value
     return loss, (value, new_state)
 
   (_, (value, forward_state)), (grads, state_cotangent) = jax.value_and_grad(
       split_loss, argnums=(0, 1), has_aux=True)(params, state)
   return value, grads, merge_step(forward_state, state_cotangent)
+
+
+def _check_same_structure(given, returned) -> None:
+  given_def, returned_def = jax.tree.structure(given), jax.tree.structure(returned)
+  if given_def != returned_def:
+    raise ValueError(
+        "loss_fn returned a new_fp8_state whose tree structure differs from the fp8_state "
+        f"it was given:\n  given:    {_short(given_def)}\n  returned: {_short(returned_def)}\n"
+        "Return the state that came out of the FP8 ops, structured like the input (for Flax "
+        "linen: pass variables['fp8_meta'] in and return updates['fp8_meta'] from "
+        "apply(..., mutable=['fp8_meta'])).")
+
+
+def _short(treedef, limit: int = 400) -> str:
+  text = str(treedef)
+  return text if len(text) <= limit else text[:limit] + " ..."

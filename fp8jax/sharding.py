@@ -1,0 +1,190 @@
+"""FP8 state on a device mesh: global amaxes, replicated state.
+
+The amax that FP8 scaling needs is the amax of the *logical* tensor, and the
+FP8 state (scales, histories) is the same on every device. How that comes about
+depends on how the step is partitioned:
+
+* Plain `jax.jit` with sharded inputs (GSPMD, or explicit-sharding meshes):
+  every array is a global array, so `max(abs(x))` is already the global amax
+  and nothing here is needed.
+* `jax.shard_map` (per-device code): each device sees only its shard, so a
+  local amax is a shard's amax. fp8jax handles this from the types that
+  shard_map gives values (`check_vma=True`, the default): JAX records along
+  which mesh axes a value is *device-varying*. The FP8 ops record local
+  amaxes; `fp8jax.value_and_grad` / `accumulate_gradients` then reduce the
+  whole in-step state with one `pmax` over the axes along which it became
+  varying, before `end_step`. Current scaling, whose scale must be known before
+  the cast, takes a `pmax` of the tensor's amax over the axes along which the
+  tensor varies right there. Both give bit-for-bit the amax of the logical
+  tensor (a max does not depend on reduction order).
+* `shard_map(..., check_vma=False)` (or `pmap`): JAX no longer knows what is
+  sharded. Pass `axis_name=` to `fp8jax.value_and_grad` /
+  `accumulate_gradients`; delayed scaling is then exact. Current scaling then
+  scales each shard by its own amax (a valid FP8 quantization, but not the
+  one a single device computes); use delayed scaling or `check_vma=True`.
+
+Gradients are *sums* over devices, amaxes are *maxes*. The FP8 state reaches
+the custom VJP of `fp8_dot_general` as an input whose cotangent is the next
+state, so where shard_map would make that cotangent a sum over devices (the
+transpose of broadcasting a replicated value), fp8jax takes a max instead
+(`_vary_for_max`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.meta import check_fp8_state
+
+AxisName = str | Sequence[str] | None
+
+
+def varying_axes(*trees: Any) -> frozenset:
+  """Mesh axes along which any array leaf of `trees` is device-varying (shard_map types).
+
+  Empty outside `shard_map`, and inside `shard_map(..., check_vma=False)`.
+  """
+  axes = set()
+  for leaf in jax.tree.leaves(trees):
+    if isinstance(leaf, (jax.Array, jax.core.Tracer)):
+      axes |= _varying(leaf)
+  return frozenset(axes)
+
+
+def _varying(x) -> frozenset:
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))          # older spelling
+
+
+def _to_varying(x, axes: frozenset):
+  """`x` marked as varying along `axes` too (no data moves; a no-op outside shard_map)."""
+  missing = tuple(sorted(axes - _varying(x)))
+  if not missing:
+    return x
+  return jax.lax.pcast(x, missing, to="varying")
+
+
+def vary_like(tree: Any, axes: frozenset) -> Any:
+  """Every array leaf of `tree` marked as varying along `axes` (gradients sum back)."""
+  if not axes:
+    return tree
+  return jax.tree.map(lambda a: _to_varying(a, axes), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _vary_for_max(fp8_state, axes):
+  return vary_like(fp8_state, frozenset(axes))
+
+
+def _vary_for_max_fwd(fp8_state, axes):
+  return _vary_for_max(fp8_state, axes), None
+
+
+def _vary_for_max_bwd(axes, _, cotangent):
+  # The "cotangent" of FP8 state carries recorded amaxes: devices combine by max.
+  return (jax.tree.map(lambda c: jax.lax.pmax(c, axes), cotangent),)
+
+
+_vary_for_max.defvjp(_vary_for_max_fwd, _vary_for_max_bwd)
+
+
+def match_operand_axes(x: jax.Array, kernel: jax.Array, meta: Any):
+  """Gives the operands of one FP8 matmul the same device-varying axes.
+
+  Inside `shard_map` a custom VJP must return cotangents of the same type as
+  its inputs, so a replicated kernel or meta used with a sharded `x` is first
+  marked varying. The kernel's gradient then sums over devices (as for any
+  replicated parameter); the meta's recorded amaxes combine by max.
+  """
+  axes = varying_axes(x, kernel, meta)
+  if not axes:
+    return x, kernel, meta
+  missing_meta = axes - varying_axes(meta)
+  if missing_meta:
+    meta = _vary_for_max(meta, tuple(sorted(missing_meta)))
+  return _to_varying(x, axes), _to_varying(kernel, axes), meta
+
+
+def global_amax(local_amax: jax.Array, like: jax.Array) -> jax.Array:
+  """The amax of the whole tensor of which `like` is this device's shard.
+
+  `local_amax` is `like`'s own amax; under `shard_map` it is combined by max over
+  the mesh axes along which `like` varies. Outside shard_map it is returned as is.
+  """
+  axes = tuple(sorted(_varying(like)))
+  if not axes:
+    return local_amax
+  return jax.lax.pmax(local_amax, axes)
+
+
+def normalize_axis_name(axis_name: AxisName, argname: str = "axis_name") -> tuple:
+  """`axis_name` as a tuple of mesh axis names; raises TypeError for anything else."""
+  if axis_name is None:
+    return ()
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  try:
+    names = tuple(names)
+  except TypeError:
+    names = None
+  if not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(
+        f"{argname}={axis_name!r} must be None, a mesh axis name (str) or a tuple of them, "
+        "e.g. axis_name='data' or axis_name=('data', 'model').")
+  return names
+
+
+def all_reduce_amax(fp8_state: Any, axis_name: AxisName = None) -> Any:
+  """Makes an in-step FP8 state global: every recorded amax becomes the max over devices.
+
+  Call it between the last FP8 op of a step and `fp8jax.end_step` when writing
+  a step by hand inside `shard_map`; `fp8jax.value_and_grad` and
+  `accumulate_gradients` call it for you. All leaves travel in a single `pmax`.
+  The running amax (history slot 0) becomes the max over devices; every other
+  leaf is identical on all devices (it came from the replicated state) and is
+  unchanged, but is afterwards typed as replicated again.
+
+  Args:
+    fp8_state: pytree of `Fp8Meta` (an open step's state, e.g. after `merge_step`).
+    axis_name: mesh axes to reduce over, in addition to every axis along which
+      the state is device-varying (which `shard_map` records when
+      `check_vma=True`). Needed with `check_vma=False` and under `pmap`.
+
+  Returns:
+    The same structure, identical on all devices of those axes.
+
+  Raises:
+    ValueError: `axis_name` names an axis that is not bound (e.g. called
+      outside `shard_map`; under plain `jit` the amaxes are already global).
+  """
+  check_fp8_state(fp8_state, "fp8_state")
+  names = normalize_axis_name(axis_name)
+  leaves, treedef = jax.tree.flatten(fp8_state)
+  axes = tuple(sorted(set(names) | varying_axes(fp8_state)))
+  if not axes or not leaves:
+    return fp8_state
+  shapes = [jnp.shape(leaf) for leaf in leaves]
+  try:
+    flat = jnp.concatenate([jnp.ravel(_to_varying(leaf, frozenset(axes))) for leaf in leaves])
+    flat = jax.lax.pmax(flat, axes)
+  except NameError as error:
+    raise ValueError(
+        f"axis_name={axis_name!r}: {error} axis_name is for code inside jax.shard_map "
+        "(or pmap) over a mesh with that axis. Under plain jax.jit with sharded arrays "
+        "leave axis_name=None: the amax is already that of the global array.") from None
+  sizes = [int(jnp.size(leaf)) for leaf in leaves]
+  offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+  out = [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
+  return jax.tree.unflatten(treedef, out)
+
+
+def replicated(fp8_state: Any, mesh: jax.sharding.Mesh) -> Any:
+  """`fp8_state` placed on every device of `mesh` (for `jax.jit` with sharded batches)."""
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.device_put(fp8_state, sharding)
+

@@ -1,0 +1,278 @@
+"""FP8 training on an 8-device mesh gives the one-device FP8 state: amaxes are global.
+
+The mesh tests need 8 (host) devices, which JAX fixes when it starts, so the
+normal 1-device run launches this file again in a subprocess with
+`--xla_force_host_platform_device_count=8` (test_mesh_tests_in_8_device_subprocess);
+there the mesh tests run and the launcher skips.
+
+What "the same" means, and why:
+* A max does not depend on reduction order, so the amax of a tensor is exact
+  whenever the tensor itself is bit-identical. Then the FP8 state is compared
+  with `assert_array_equal`.
+* Tensors computed by a sum over a *sharded* axis (the row-parallel layer's
+  output, summed over "model" with a psum, and everything downstream of it:
+  the loss and its gradient dL/dy) add the same float32 terms in another order
+  than one device does, and can differ in the last bit. Their amaxes (the
+  gradient role of that layer) are compared with rtol 2**-20 (a few float32
+  ulps; a local or summed amax would be off by a factor of 1.1 to 8).
+* Over several free-running steps the parameters also differ in the last
+  bits (gradients are summed across devices in another order), so trajectories
+  compare losses and FP8 state with rtol 1e-5: float32 rounding of ~1e-7 per
+  step, over 6 steps, with a wide margin.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fp8jax
+
+N_DEVICES = 8
+multidevice = pytest.mark.skipif(
+    jax.device_count() < N_DEVICES,
+    reason="needs 8 devices; run by test_mesh_tests_in_8_device_subprocess")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_mesh_tests_in_8_device_subprocess():
+  if jax.device_count() >= N_DEVICES:
+    pytest.skip("this is the 8-device run")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pathlib.Path(__file__))],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
+  summary = proc.stdout.strip().splitlines()[-1]
+  assert "7 passed" in summary, summary  # the mesh tests ran there, none skipped
+
+
+# A two-layer MLP in the Megatron layout: layer 1 column-parallel (kernel split
+# over "model" on its output axis), layer 2 row-parallel (split on its input axis).
+B, K, H, N = 32, 16, 32, 8
+DELAYED = fp8jax.DelayedScaling(amax_history_len=4)
+PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
+REPLICATED_SPECS = {name: P() for name in PARAM_SPECS}
+# Roles whose tensor is downstream of the row-parallel sum over "model".
+DOWNSTREAM_OF_SHARDED_SUM = {"l2.grad"}
+
+
+def init(recipe):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w1": jax.random.normal(k1, (K, H)) / 4, "b1": jnp.zeros(H),
+            "w2": jax.random.normal(k2, (H, N)) / 6}
+  return params, {"l1": fp8jax.init_dot_meta(recipe), "l2": fp8jax.init_dot_meta(recipe)}
+
+
+def batches(n_steps=6):
+  # Different input gains per step, so the histories hold different amaxes.
+  return [(jax.random.normal(jax.random.key(10 + i), (B, K)) * (1 + i % 3),
+           jax.random.normal(jax.random.key(100 + i), (B, N))) for i in range(n_steps)]
+
+
+def loss_fn(params, fp8_state, x, t, model_axis=None):
+  h, m1 = fp8jax.fp8_dense(x, params["w1"], params["b1"], fp8_state["l1"])
+  y, m2 = fp8jax.fp8_dense(jax.nn.gelu(h), params["w2"], None, fp8_state["l2"])
+  if model_axis is not None:  # shard_map: the row-parallel layer's partial sums
+    y = jax.lax.psum(y, model_axis)
+  # Normalized by the *global* batch, so per-device gradients dL/dy equal the
+  # one-device ones (a per-shard mean would make them n_data times larger).
+  return jnp.sum((y - t) ** 2) / (B * N), {"l1": m1, "l2": m2}
+
+
+TX = optax.adam(1e-2)
+
+
+def one_device_step(params, opt_state, fp8_state, x, t):
+  loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state, x, t)
+  updates, opt_state = TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+
+
+def _mesh(data, model):
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  return jax.make_mesh((data, model), ("data", "model"), axis_types=auto)
+
+
+def gspmd_step(mesh):
+  """Plain jit: batch over "data", kernels over "model", FP8 state replicated."""
+  shard = lambda spec: NamedSharding(mesh, spec)
+  step = jax.jit(one_device_step, out_shardings=(
+      {k: shard(s) for k, s in PARAM_SPECS.items()}, None, shard(P()), shard(P())))
+
+  def run(params, opt_state, fp8_state, x, t):
+    params = {k: jax.device_put(v, shard(PARAM_SPECS[k])) for k, v in params.items()}
+    return step(params, opt_state, jax.device_put(fp8_state, shard(P())),
+                jax.device_put(x, shard(P("data"))), jax.device_put(t, shard(P("data"))))
+  return run
+
+
+def shard_map_step(mesh, param_specs, model_axis, check_vma=True, axis_name=None):
+  """shard_map for forward + backward (per-device code), the optimizer under jit."""
+
+  def per_device(params, fp8_state, x, t):
+    loss, grads, fp8_state = fp8jax.value_and_grad(
+        functools.partial(loss_fn, model_axis=model_axis), axis_name=axis_name)(
+            params, fp8_state, x, t)
+    if not check_vma:  # without types JAX does not sum replicated parameters' gradients
+      grads = jax.lax.psum(grads, "data")
+    return jax.lax.psum(loss, "data"), grads, fp8_state
+
+  grads_fn = jax.shard_map(per_device, mesh=mesh, check_vma=check_vma,
+                           in_specs=(param_specs, P(), P("data"), P("data")),
+                           out_specs=(P(), param_specs, P()))
+
+  @jax.jit
+  def step(params, opt_state, fp8_state, x, t):
+    loss, grads, fp8_state = grads_fn(params, fp8_state, x, t)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+
+  shard = lambda spec: NamedSharding(mesh, spec)
+  return lambda p, o, s, x, t: step(p, o, s, jax.device_put(x, shard(P("data"))),
+                                    jax.device_put(t, shard(P("data"))))
+
+
+def trajectory(step, recipe=DELAYED, teacher=None):
+  """Runs 6 steps. With `teacher` (a one-device trajectory), every step starts
+  from the teacher's previous state, so each step is compared on equal inputs."""
+  params, fp8_state = init(recipe)
+  opt_state = TX.init(params)
+  out = []
+  for i, (x, t) in enumerate(batches()):
+    if teacher is not None and i > 0:
+      params, opt_state, fp8_state, _ = teacher[i - 1]
+    params, opt_state, fp8_state, loss = step(params, opt_state, fp8_state, x, t)
+    out.append((params, opt_state, fp8_state, loss))
+  return out
+
+
+@functools.cache
+def reference(recipe=DELAYED):
+  return trajectory(jax.jit(one_device_step), recipe)
+
+
+def roles(fp8_state):
+  return {f"{layer}.{role}": getattr(fp8_state[layer], role)
+          for layer in ("l1", "l2") for role in ("x", "kernel", "grad")}
+
+
+def assert_same_fp8_state(got, want, inexact=frozenset(), rtol=0.0):
+  for name, meta in roles(got).items():
+    ref = roles(want)[name]
+    for field in ("scale", "amax_history"):
+      a, b = np.asarray(getattr(meta, field)), np.asarray(getattr(ref, field))
+      if name in inexact or rtol:
+        np.testing.assert_allclose(a, b, rtol=max(rtol, 2.0**-20), err_msg=f"{name}.{field}")
+      else:
+        np.testing.assert_array_equal(a, b, err_msg=f"{name}.{field}")
+
+
+LAYOUTS = {
+    # name: (step factory, roles that may differ in the last bit)
+    "gspmd data=4 x model=2": (lambda: gspmd_step(_mesh(4, 2)), DOWNSTREAM_OF_SHARDED_SUM),
+    "shard_map data=8": (lambda: shard_map_step(_mesh(8, 1), REPLICATED_SPECS, None), set()),
+    "shard_map data=4 x model=2": (
+        lambda: shard_map_step(_mesh(4, 2), PARAM_SPECS, "model"), DOWNSTREAM_OF_SHARDED_SUM),
+    "shard_map data=8 check_vma=False axis_name='data'": (
+        lambda: shard_map_step(_mesh(8, 1), REPLICATED_SPECS, None, check_vma=False,
+                               axis_name="data"), set()),
+}
+
+
+@multidevice
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_mesh_step_gives_the_one_device_fp8_state(layout):
+  make_step, inexact = LAYOUTS[layout]
+  step = make_step()
+  teacher = reference()
+  forced = trajectory(step, teacher=teacher)
+  for i, ((_, _, state, loss), (_, _, want_state, want_loss)) in enumerate(zip(forced, teacher)):
+    assert_same_fp8_state(state, want_state, inexact)
+    # The loss is a sum over the batch (and, row-parallel, over "model"): reduction order.
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6, err_msg=f"step {i}")
+
+  # Free-running: the mesh run's own trajectory stays on the one-device one.
+  free = trajectory(step)
+  for (params, _, state, loss), (want_params, _, want_state, want_loss) in zip(free, teacher):
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert_same_fp8_state(state, want_state, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+  # Independent of the one-device run, and exact in any layout: layer 1's input
+  # amax is the max over the *global* batch, and each kernel amax is the max of
+  # the whole (sharded) kernel the step started from.
+  params, _ = init(DELAYED)
+  for i, (x, _) in enumerate(batches()):
+    state = free[i][2]
+    assert float(state["l1"].x.amax_history[0]) == float(jnp.max(jnp.abs(x)))
+    for layer, w in (("l1", "w1"), ("l2", "w2")):
+      assert float(state[layer].kernel.amax_history[0]) == float(jnp.max(jnp.abs(params[w])))
+    params = free[i][0]
+    # The FP8 state is replicated: every device holds the same bytes.
+    for leaf in jax.tree.leaves(state):
+      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+      assert all(np.array_equal(shards[0], s) for s in shards[1:])
+
+
+@multidevice
+def test_current_scaling_inside_shard_map_uses_the_global_amax():
+  recipe = fp8jax.CurrentScaling()
+  teacher = reference(recipe)
+  forced = trajectory(shard_map_step(_mesh(8, 1), REPLICATED_SPECS, None), recipe, teacher)
+  for (_, _, state, loss), (_, _, want_state, want_loss) in zip(forced, teacher):
+    assert_same_fp8_state(state, want_state)
+    # Same scales in the casts -> same FP8 operands -> same losses up to sum order.
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+
+
+@multidevice
+def test_without_types_or_axis_name_shard_map_keeps_local_amaxes():
+  # Documents why `axis_name` exists: with check_vma=False JAX cannot tell
+  # fp8jax what is sharded, and each device keeps the amax of its own shard.
+  step = shard_map_step(_mesh(8, 1), REPLICATED_SPECS, None, check_vma=False, axis_name=None)
+  params, fp8_state = init(DELAYED)
+  x, t = batches()[0]
+  x = x * jnp.linspace(0.5, 2.0, B)[:, None]  # the largest rows sit on the last device
+  _, _, state, _ = step(params, TX.init(params), fp8_state, x, t)
+  # What comes back is device 0's view: the amax of its 4 rows, not of all 32.
+  assert float(state["l1"].x.amax_history[0]) == float(jnp.max(jnp.abs(x[:B // 8])))
+  assert float(state["l1"].x.amax_history[0]) < float(jnp.max(jnp.abs(x)))
+
+
+@multidevice
+def test_microbatch_accumulation_inside_shard_map_matches_one_device():
+  params, fp8_state = init(DELAYED)
+  xs = jnp.stack([x for x, _ in batches(4)])
+  ts = jnp.stack([t for _, t in batches(4)])
+  accumulate = lambda p, s, xs, ts: fp8jax.accumulate_gradients(
+      lambda p, s, b: loss_fn(p, s, *b), p, s, (xs, ts))
+  want_loss, want_grads, want_state = jax.jit(accumulate)(params, fp8_state, xs, ts)
+
+  mesh = _mesh(8, 1)
+
+  def per_device(p, s, xs, ts):
+    loss, grads, s = accumulate(p, s, xs, ts)
+    return jax.lax.psum(loss, "data"), grads, s
+
+  sharded = jax.jit(jax.shard_map(per_device, mesh=mesh,
+                                  in_specs=(P(), P(), P(None, "data"), P(None, "data")),
+                                  out_specs=(P(), P(), P())))
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "data")))
+  loss, grads, state = sharded(params, fp8_state, put(xs), put(ts))
+  assert_same_fp8_state(state, want_state)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
