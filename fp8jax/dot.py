@@ -103,9 +103,14 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 def scaled_dot(qa: jax.Array, qb: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
                dims, out_dtype) -> jax.Array:
-  """`dot_general(qa, qb) / (scale_a * scale_b)` with f8 operands and a float32 product."""
+  """`dot_general(qa, qb) / scale_a / scale_b` with f8 operands and a float32 product.
+
+  The two descales are applied one after the other: their product alone can
+  leave float32's range (tiny scales of huge tensors underflow to 0, and 1/0
+  would turn an all-zero row into 0 * inf = NaN).
+  """
   product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
-  return (product * (1.0 / (scale_a * scale_b))).astype(out_dtype)
+  return (product * (1.0 / scale_a) * (1.0 / scale_b)).astype(out_dtype)
 
 
 def normalize_dimension_numbers(dimension_numbers, x_shape, kernel_shape):
