@@ -67,7 +67,9 @@ def _fp8_dot(x, kernel, meta, dims, kernel_dtype):
 def _fp8_dot_fwd_impl(x, kernel, meta, dims):
   qx, scale_x, meta_x = quantize_with_meta(x, meta.x)
   qk, scale_k, meta_k = quantize_with_meta(kernel, meta.kernel)
-  out = scaled_dot(qx, qk, scale_x, scale_k, dims, x.dtype)
+  # Named scopes label the three GEMMs in HLO metadata (fp8jax.lowering reads them).
+  with jax.named_scope("fp8_fprop"):
+    out = scaled_dot(qx, qk, scale_x, scale_k, dims, x.dtype)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
   residuals = (qx, qk, scale_x, scale_k, meta.grad)
   return out, new_meta, residuals
@@ -86,12 +88,12 @@ def _fp8_dot_bwd(dims, kernel_dtype, residuals, cotangents):
   qg = quantize(g, scale_g, grad_meta.fmt)
 
   dgrad_dims, dgrad_perm = dgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
-  dx = scaled_dot(qg, qk, scale_g, scale_k, dgrad_dims, g.dtype)
-  dx = jnp.transpose(dx, dgrad_perm)
+  with jax.named_scope("fp8_dgrad"):
+    dx = jnp.transpose(scaled_dot(qg, qk, scale_g, scale_k, dgrad_dims, g.dtype), dgrad_perm)
 
   wgrad_dims, wgrad_perm = wgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
-  dk = scaled_dot(qx, qg, scale_x, scale_g, wgrad_dims, kernel_dtype)
-  dk = jnp.transpose(dk, wgrad_perm)
+  with jax.named_scope("fp8_wgrad"):
+    dk = jnp.transpose(scaled_dot(qx, qg, scale_x, scale_g, wgrad_dims, kernel_dtype), wgrad_perm)
 
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, g_amax))

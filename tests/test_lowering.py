@@ -107,6 +107,8 @@ def test_fp8_dense_fprop_dgrad_wgrad_are_cublaslt_fp8_gemms(case):
   for role, gemm in roles.items():
     assert set(gemm.operand_dtypes) == ROLE_DTYPES[role], (role, str(report))
     assert gemm.is_backward == (role != "fprop")
+    # fp8jax's named scopes label the same GEMM with the role found from its shapes.
+    assert gemm.role == role, (role, gemm.op_name)
 
   # cuBLASLt FP8 wants every dim a multiple of 16. XLA pads the operands (inside the
   # quantize fusion, in FP8) and slices the f32 product; it never falls back to bf16.

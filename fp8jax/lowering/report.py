@@ -142,6 +142,15 @@ class Gemm:
   def transposes(self) -> tuple[Transpose, ...]:
     return self.lhs.transposes + self.rhs.transposes
 
+  @property
+  def role(self) -> str:
+    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs (named scopes in fp8jax.dot), else
+    'forward' / 'backward' from JAX's own naming."""
+    for role in ("fprop", "dgrad", "wgrad"):
+      if f"fp8_{role}" in self.op_name:
+        return role
+    return "backward" if self.is_backward else "forward"
+
 
 @dataclasses.dataclass(frozen=True)
 class LoweringReport:
@@ -193,13 +202,12 @@ class LoweringReport:
     counts = ", ".join(f"{len(v)} {k.value}" for k, v in self.gemms_by_kind().items())
     if counts:
       lines[-1] += f" ({counts})"
-    header = f"{'#':>3}  {'kind':<13} {'lhs':<20} {'rhs':<20} {'out':<14} {'fp8':<4} {'pass':<8} transposes"
+    header = f"{'#':>3}  {'kind':<13} {'lhs':<20} {'rhs':<20} {'out':<14} {'fp8':<4} {'role':<8} transposes"
     lines += ["", header, "-" * len(header)]
     for i, g in enumerate(self.gemms):
-      direction = "backward" if g.is_backward else "forward"
       n_transposes = len(g.transposes)
       lines.append(f"{i:>3}  {g.kind.value:<13} {g.lhs.shape:<20} {g.rhs.shape:<20} "
-                   f"{g.output:<14} {'yes' if g.runs_in_fp8 else 'NO':<4} {direction:<8} "
+                   f"{g.output:<14} {'yes' if g.runs_in_fp8 else 'NO':<4} {g.role:<8} "
                    f"{n_transposes}")
     for i, g in enumerate(self.gemms):
       lines += ["", f"[{i}] {g.name}: {g.target}  ({g.op_name or 'no op_name'})"]
