@@ -2,6 +2,11 @@
 
 Everything is a pure function over explicit pytrees: parameters, optimizer
 state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
+
+Public submodules besides the names below: `fp8jax.flax.linen` and
+`fp8jax.flax.nnx` (Flax layers), `fp8jax.checkpoint` (orbax checkpoints; needs
+the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering`,
+`fp8jax.deviceless` and `fp8jax.attention_backend`.
 """
 # Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
 from fp8jax import platform_guard  # noqa: F401

@@ -102,6 +102,8 @@ def _check_qkv(q, k, v, q_segment_ids, kv_segment_ids):
     check_floating(x, name)
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got shape {x.shape}.")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype} and {v.dtype}.")
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}.")
   if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -204,8 +206,7 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
                                             call)
   new_meta = dataclasses.replace(meta, q=meta_q, k=meta_k, v=meta_v,
                                  o=record_amax(meta.o, out_amax))
-  residuals = (q8, k8, v8, descales, out, lse, q_seg, kv_seg, jnp.zeros((), q.dtype),
-               jnp.zeros((), k.dtype), jnp.zeros((), v.dtype))
+  residuals = (q8, k8, v8, descales, out, lse, q_seg, kv_seg)
   return out.astype(q.dtype), new_meta, residuals
 
 
@@ -229,7 +230,7 @@ def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
 
 
 def _fp8_attention_bwd(call, residuals, cotangents):
-  q8, k8, v8, descales, out, lse, q_seg, kv_seg, q_like, k_like, v_like = residuals
+  q8, k8, v8, descales, out, lse, q_seg, kv_seg = residuals
   g, meta_cotangent = cotangents
   if call.backend == "xla":
     dequantized = [(x8.astype(jnp.float32) * d) for x8, d in zip((q8, k8, v8), descales)]
@@ -244,7 +245,8 @@ def _fp8_attention_bwd(call, residuals, cotangents):
         interpret=call.interpret)
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g)))
-  return (dq.astype(q_like.dtype), dk.astype(k_like.dtype), dv.astype(v_like.dtype),
+  # q, k, v share a dtype, and the output (hence g) has it too.
+  return (dq.astype(g.dtype), dk.astype(g.dtype), dv.astype(g.dtype),
           meta_in_cotangent, None, None)
 
 

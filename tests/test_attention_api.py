@@ -232,3 +232,9 @@ def test_nnx_mha_trains_with_value_and_grad_and_records_attention_amaxes():
     assert float(getattr(attn, role).amax_history[0]) > 0, role
   grad_norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
   assert len(grad_norms) == 4 and all(n > 0 for n in grad_norms)
+
+
+def test_mixed_qkv_dtypes_are_explained():
+  q, k, v = _qkv(10, seq=16)
+  with pytest.raises(TypeError, match="q, k and v must share a dtype"):
+    fp8jax.fp8_attention(q, k.astype(jnp.float32), v, fp8jax.init_attention_meta(RECIPE))
