@@ -147,7 +147,16 @@ def test_backend_selection_runs_once_per_static_key_not_per_scale_value(monkeypa
   assert len(calls) == 2
 
 
-def test_selection_prefers_hopper_fp8_kernel_and_warns_once_when_it_cannot():
+def test_unvalidated_hopper_fp8_kernel_runs_only_when_asked_for():
+  attention_backend.select_backend.cache_clear()
+  assert not attention_backend.HOPPER_FP8_KERNEL_VALIDATED_ON_GPU
+  with pytest.warns(UserWarning, match="not been validated on a GPU"):
+    assert attention_backend.select_backend(_key()).name == "pallas"
+  assert attention_backend.select_backend(_key(), "pallas_hopper_fp8").name == "pallas_hopper_fp8"
+
+
+def test_selection_prefers_hopper_fp8_kernel_and_warns_once_when_it_cannot(monkeypatch):
+  monkeypatch.setattr(attention_backend, "HOPPER_FP8_KERNEL_VALIDATED_ON_GPU", True)
   attention_backend.select_backend.cache_clear()
   assert attention_backend.select_backend(_key()).name == "pallas_hopper_fp8"
   with pytest.warns(UserWarning, match="head_dim 256 is not one of \\(64, 128\\)"):
