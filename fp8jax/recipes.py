@@ -37,12 +37,12 @@ class DelayedScaling:
   fp8_format: str = "hybrid"
 
   def __post_init__(self):
-    _check_int("amax_history_len", self.amax_history_len, minimum=1)
+    check_int("amax_history_len", self.amax_history_len, minimum=1)
     if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
       raise ValueError(
           f"amax_compute_algo={self.amax_compute_algo!r} is not supported; "
           f"use one of {AMAX_COMPUTE_ALGOS}.")
-    _check_int("margin", self.margin, minimum=0)
+    check_int("margin", self.margin, minimum=0)
     formats_for(self.fp8_format)
 
   @property
@@ -71,7 +71,7 @@ class CurrentScaling:
   fp8_format: str = "hybrid"
 
   def __post_init__(self):
-    _check_int("margin", self.margin, minimum=0)
+    check_int("margin", self.margin, minimum=0)
     formats_for(self.fp8_format)
 
   @property
@@ -101,6 +101,7 @@ def check_recipe(recipe, argname: str = "recipe") -> None:
         f"got {type(recipe).__name__}: {recipe!r}.")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def check_int(name: str, value, minimum: int) -> None:
+  """Raises ValueError unless `value` is an int (not bool) >= `minimum`, naming `name`."""
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta, check_fp8_state, map_metas
+from fp8jax.recipes import check_int
 from fp8jax.validation import check_format
 
 
@@ -37,8 +38,7 @@ def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
     float32[] scale.
   """
   check_format(fmt, "fmt")
-  if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-    raise ValueError(f"margin={margin!r} must be an integer >= 0.")
+  check_int("margin", margin, minimum=0)
   amax = jnp.asarray(amax, jnp.float32)
   scale = jnp.float32(fmt.max / 2.0**margin) / amax
   usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
