@@ -45,22 +45,26 @@ def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
   return jnp.where(usable, scale, fallback)
 
 
+def _with_newest(history, value) -> jax.Array:
+  """`history` (any array type, stacked too) with its newest slot set to `value`."""
+  return jnp.asarray(history).at[..., 0].set(value)
+
+
 def record_amax(meta: Fp8Meta, amax: jax.Array) -> Fp8Meta:
   """Takes the max of the step's running amax and `amax` (NaN propagates until end_step)."""
-  history = meta.amax_history.at[0].set(jnp.maximum(meta.amax_history[0], amax))
-  return dataclasses.replace(meta, amax_history=history)
+  running = jnp.maximum(meta.amax_history[..., 0], amax)
+  return dataclasses.replace(meta, amax_history=_with_newest(meta.amax_history, running))
 
 
 def _open_step(meta: Fp8Meta) -> Fp8Meta:
-  history = jnp.roll(meta.amax_history, 1, axis=-1)
-  history = history.at[..., 0].set(0.0)
+  history = _with_newest(jnp.roll(meta.amax_history, 1, axis=-1), 0.0)
   return dataclasses.replace(meta, amax_history=history)
 
 
 def _close_step(meta: Fp8Meta) -> Fp8Meta:
   step_amax = meta.amax_history[..., 0]
   step_amax_finite = jnp.isfinite(step_amax)
-  history = meta.amax_history.at[..., 0].set(jnp.where(step_amax_finite, step_amax, 0.0))
+  history = _with_newest(meta.amax_history, jnp.where(step_amax_finite, step_amax, 0.0))
   if meta.recipe.amax_compute_algo == "max":
     window_amax = jnp.max(history, axis=-1)
   else:
@@ -73,7 +77,7 @@ def _close_step(meta: Fp8Meta) -> Fp8Meta:
 
 def _merge(forward: Fp8Meta, cotangent: Fp8Meta) -> Fp8Meta:
   running = jnp.maximum(forward.amax_history[..., 0], cotangent.amax_history[..., 0])
-  return dataclasses.replace(forward, amax_history=forward.amax_history.at[..., 0].set(running))
+  return dataclasses.replace(forward, amax_history=_with_newest(forward.amax_history, running))
 
 
 def begin_step(fp8_state):

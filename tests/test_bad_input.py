@@ -3,6 +3,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp8jax
@@ -88,3 +89,13 @@ def test_non_recipe_is_rejected_when_making_state():
 def test_unknown_format_choice_is_rejected():
   with pytest.raises(ValueError, match="fp8_format='e2m1'.*hybrid"):
     fp8jax.CurrentScaling(fp8_format="e2m1")
+
+
+def test_numpy_valued_state_works_like_jax_arrays():
+  # State restored from disk or built by hand may hold numpy arrays.
+  numpy_meta = jax.tree.map(lambda a: np.asarray(a), META)
+  y, new_meta = fp8jax.fp8_dense(X, K, None, numpy_meta)
+  want, want_meta = fp8jax.fp8_dense(X, K, None, META)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+  stepped = fp8jax.end_step(fp8jax.begin_step(numpy_meta))
+  assert jax.tree.structure(stepped) == jax.tree.structure(META)

@@ -244,3 +244,21 @@ def test_nnx_scan_and_remat_over_layers_match_pure_scan():
   assert_trees_equal(state["layers"]["fp8_meta"].get_value(), want_state)
   # Four layers, four separate histories, each advanced by one entry.
   assert state["layers"]["fp8_meta"].get_value().x.amax_history.shape == (4, 4)
+
+
+def test_nnx_eval_mode_uses_stored_scales_and_records_nothing():
+  model = fp8nnx.Fp8Linear(16, 8, recipe=RECIPE, rngs=nnx.Rngs(0))
+  x, target = _inputs(), _inputs((3, 5, 8), seed=2)
+  (_, _, state), params, _ = _nnx_step(model, x, target)
+  nnx.update(model, state)
+  before = jax.tree.map(jnp.array, nnx.state(model, fp8nnx.Fp8MetaVariable))  # a copy
+  model.eval()
+  y = model(100 * x)  # an out-of-step call with much larger inputs
+  after = nnx.state(model, fp8nnx.Fp8MetaVariable)
+  assert_trees_equal(after, before)
+  meta = before["fp8_meta"].get_value()
+  want, _ = fp8jax.fp8_dense(100 * x, model.kernel.get_value(), model.bias.get_value(), meta)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))  # the stored scales were used
+  model.train()
+  model(x)
+  assert float(model.fp8_meta.get_value().x.amax_history[0]) == float(jnp.max(jnp.abs(x)))

@@ -12,7 +12,11 @@ parameters and an optimizer built on `nnx.Param` never sees it:
 
     loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state, x, y)
 
-Calling a layer records that call's amaxes in its `Fp8MetaVariable`.
+Calling a layer records that call's amaxes in its `Fp8MetaVariable`, like
+`nnx.BatchNorm` collects batch statistics. `model.eval()` sets
+`use_running_average=True` on every layer (as for BatchNorm): the layers then
+use the stored scales and record nothing, so evaluation between training steps
+leaves the FP8 state untouched; `model.train()` switches recording back on.
 """
 from __future__ import annotations
 
@@ -44,15 +48,27 @@ def _set(variable: nnx.Variable, value) -> None:
     variable.value = value
 
 
+def _record(module, variable, new_meta) -> None:
+  """Stores `new_meta` unless the layer is in evaluation mode (`use_running_average`)."""
+  if not module.use_running_average:
+    _set(variable, new_meta)
+
+
 class Fp8Linear(nnx.Module):
-  """`nnx.Linear` with an FP8 matmul: y = x @ kernel + bias, x of shape [..., in_features]."""
+  """`nnx.Linear` with an FP8 matmul: y = x @ kernel + bias, x of shape [..., in_features].
+
+  `use_running_average=True` (what `model.eval()` sets) uses the stored scales
+  and records no amaxes.
+  """
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                recipe: Recipe = DelayedScaling(), dtype: Any = None,
                param_dtype: Any = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(),
-               bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs):
+               bias_init=nnx.initializers.zeros_init(), use_running_average: bool = False,
+               rngs: nnx.Rngs):
     check_recipe(recipe)
+    self.use_running_average = use_running_average
     self.in_features = in_features
     self.out_features = out_features
     self.dtype = dtype
@@ -66,7 +82,7 @@ class Fp8Linear(nnx.Module):
     bias = _get(self.bias) if self.bias is not None else None
     x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
     y, new_meta = fp8_dense(x, kernel, bias, _get(self.fp8_meta))
-    _set(self.fp8_meta, new_meta)
+    _record(self, self.fp8_meta, new_meta)
     return y
 
 
@@ -75,8 +91,10 @@ class Fp8Einsum(nnx.Module):
 
   def __init__(self, einsum_str: str, kernel_shape, *, recipe: Recipe = DelayedScaling(),
                dtype: Any = None, param_dtype: Any = jnp.float32,
-               kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+               kernel_init=nnx.initializers.lecun_normal(), use_running_average: bool = False,
+               rngs: nnx.Rngs):
     check_recipe(recipe)
+    self.use_running_average = use_running_average
     self.einsum_str = einsum_str
     self.dtype = dtype
     self.kernel = nnx.Param(kernel_init(rngs.params(), tuple(kernel_shape), param_dtype))
@@ -85,7 +103,7 @@ class Fp8Einsum(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x, kernel = nnx.nn.dtypes.promote_dtype((x, _get(self.kernel)), dtype=self.dtype)
     y, new_meta = fp8_einsum(self.einsum_str, x, kernel, _get(self.fp8_meta))
-    _set(self.fp8_meta, new_meta)
+    _record(self, self.fp8_meta, new_meta)
     return y
 
 
@@ -99,8 +117,9 @@ class Fp8MultiHeadAttention(nnx.Module):
                num_kv_heads: int | None = None, causal: bool = False,
                fp8_attention: bool = True, recipe: Recipe = DelayedScaling(),
                dtype: Any = None, param_dtype: Any = jnp.float32, backend: str | None = None,
-               rngs: nnx.Rngs):
+               use_running_average: bool = False, rngs: nnx.Rngs):
     check_recipe(recipe)
+    self.use_running_average = use_running_average
     kv_heads = num_kv_heads or num_heads
     self.causal, self.backend, self.use_fp8_attention = causal, backend, fp8_attention
     project = lambda spec, shape: Fp8Einsum(spec, shape, recipe=recipe, dtype=dtype,
@@ -121,7 +140,7 @@ class Fp8MultiHeadAttention(nnx.Module):
                   kv_segment_ids=kv_segment_ids, backend=self.backend)
     if self.use_fp8_attention:
       out, new_meta = fp8_attention(q, k, v, _get(self.attention_meta), **kwargs)
-      _set(self.attention_meta, new_meta)
+      _record(self, self.attention_meta, new_meta)
     else:
       out = attention(q, k, v, **kwargs)
     return self.out(out)
