@@ -33,6 +33,9 @@ HOPPER_FP8_SEQ_MULTIPLE = 128
 # asked for (backend="pallas_hopper_fp8"); automatic selection keeps the kernel
 # whose numerics are tested. Set True once that test has passed on hardware.
 HOPPER_FP8_KERNEL_VALIDATED_ON_GPU = False
+# What jax.nn.dot_product_attention(implementation="cudnn") accepts.
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,11 @@ def _cannot_run(name: str, key: BackendKey) -> str | None:
       return "fp8jax runs FP8 attention in its own kernels, not cuDNN"
     if "segments" in key.mask:
       return "segment ids are not expressible as cuDNN sequence lengths"
+    if key.dtype not in CUDNN_DTYPES:
+      return f"cuDNN attention takes {CUDNN_DTYPES}, not {key.dtype}"
+    if key.head_dim % 8 or key.head_dim > CUDNN_MAX_HEAD_DIM:
+      return (f"cuDNN attention needs head_dim a multiple of 8 and at most "
+              f"{CUDNN_MAX_HEAD_DIM}, got {key.head_dim}")
   return None
 
 

@@ -179,6 +179,12 @@ def test_selection_falls_back_for_unsupported_head_dim_with_a_reason():
     assert attention_backend.select_backend(_key(platform="cpu", gpu_arch=None,
                                                  head_dim=48)).name == "xla"
   assert attention_backend.select_backend(_key(fp8=False)).name == "pallas"
+  # Inputs cuDNN rejects fall back to XLA rather than failing inside cuDNN.
+  for unsupported in (dict(dtype="float32", head_dim=48), dict(head_dim=20),
+                      dict(head_dim=512)):
+    with pytest.warns(UserWarning, match="head_dim"):
+      choice = attention_backend.select_backend(_key(fp8=False, **unsupported))
+    assert choice.name == "xla", unsupported
 
 
 def test_requested_backend_that_cannot_run_is_an_error():
