@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from fp8jax.formats import Fp8Format, formats_for
+from fp8jax.validation import check_int
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
@@ -99,9 +100,3 @@ def check_recipe(recipe, argname: str = "recipe") -> None:
     raise TypeError(
         f"{argname} must be a fp8jax recipe (DelayedScaling or CurrentScaling), "
         f"got {type(recipe).__name__}: {recipe!r}.")
-
-
-def check_int(name: str, value, minimum: int) -> None:
-  """Raises ValueError unless `value` is an int (not bool) >= `minimum`, naming `name`."""
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta, check_fp8_state, map_metas
-from fp8jax.recipes import check_int
-from fp8jax.validation import check_format
+from fp8jax.validation import check_format, check_int
 
 
 def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,

@@ -49,7 +49,7 @@ def varying_axes(*trees: Any) -> frozenset:
   """
   axes = set()
   for leaf in jax.tree.leaves(trees):
-    if isinstance(leaf, (jax.Array, jax.core.Tracer)):
+    if isinstance(leaf, jax.Array):  # tracers are jax.Arrays too
       axes |= _varying(leaf)
   return frozenset(axes)
 

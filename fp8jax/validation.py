@@ -31,3 +31,9 @@ def check_fp8_array(q, argname: str) -> None:
     raise TypeError(
         f"{argname} has dtype {dtype}; dequantize takes the FP8 array that "
         "fp8jax.quantize returned (float8_e4m3fn or float8_e5m2).")
+
+
+def check_int(name: str, value, minimum: int) -> None:
+  """Raises ValueError unless `value` is an int (not bool) >= `minimum`, naming `name`."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")

@@ -262,3 +262,9 @@ def test_nnx_eval_mode_uses_stored_scales_and_records_nothing():
   model.train()
   model(x)
   assert float(model.fp8_meta.get_value().x.amax_history[0]) == float(jnp.max(jnp.abs(x)))
+
+
+def test_linen_einsum_with_bias_explains_a_malformed_spec():
+  with pytest.raises(ValueError, match="explicit two-operand form"):
+    fp8nn.Fp8Einsum((8, 4), "ab,bc", use_bias=True, recipe=RECIPE).init(
+        jax.random.key(0), jnp.ones((2, 8)))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
 from fp8jax.dense import fp8_dense
 from fp8jax.dot import fp8_dot_general
-from fp8jax.einsum import fp8_einsum
+from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.meta import DotMeta, init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe
 
@@ -171,8 +171,8 @@ class Fp8Einsum(nn.Module):
     kernel = self.param("kernel", self.kernel_init, tuple(self.shape), self.param_dtype)
     bias = None
     if self.use_bias:
-      out_labels = self.einsum_str.replace(" ", "").split("->")[1]
-      k_labels = self.einsum_str.replace(" ", "").split("->")[0].split(",")[1]
+      _, k_labels, out_labels = parse_two_operand_subscripts(self.einsum_str, x.ndim,
+                                                             len(self.shape))
       trailing = []
       for label in reversed(out_labels):
         if label not in k_labels:

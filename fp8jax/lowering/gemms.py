@@ -160,7 +160,9 @@ def _fp8_verdict(kind, lhs, rhs, mma) -> tuple[bool, str]:
     if not mma:
       return False, (f"Triton GEMM with {dtypes} operands in HLO, but no PTX was inspected to "
                      "show FP8 tensor-core instructions (compile with ptx=True)")
-    if any(fp8_mma(m) for m in mma):
+    # Every matrix instruction must be FP8: a kernel that mixes in f16 mma.sync
+    # runs part of the product off the FP8 tensor cores.
+    if mma and all(fp8_mma(m) for m in mma):
       return True, ""
     return False, (f"Triton GEMM with {dtypes} operands in HLO, but its PTX upcasts them: "
                    f"{', '.join(mma)}")
