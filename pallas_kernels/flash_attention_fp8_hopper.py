@@ -42,17 +42,16 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+# P_SCALE: the fixed scale of the softmax probabilities' E4M3 cast (a power of
+# two below E4M3's max), the same in both attention kernels.
+from pallas_kernels.flash_attention import P_SCALE
+
 try:  # The Mosaic GPU Pallas backend; absent from some jaxlib builds.
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - depends on the installed jaxlib
   pl = None
   plgpu = None
-
-#: Fixed scale applied to softmax probabilities (all in [0, 1]) before the E4M3
-#: cast. A power of two, so undoing it is exact; 256 keeps the largest
-#: probability below E4M3's max (448) and moves small ones out of the subnormals.
-P_SCALE = 256.0
 
 _FP8 = jnp.float8_e4m3fn
 _LOG2E = math.log2(math.e)
@@ -61,7 +60,7 @@ _COMPUTE_WGS = 2  # compute warpgroups per CTA; a third one issues the TMA copie
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class HopperBlockSizes:
   """Tile sizes of the FP8 forward kernel (hashable: a static argument of `jit`).
 
   Attributes:
@@ -111,7 +110,7 @@ def _swizzle_transforms(minor_dim_elems: int, dtype) -> tuple:
           plgpu.SwizzleTransform(swizzle))
 
 
-def _check_inputs(q, k, v_t, causal: bool, block_sizes: BlockSizes):
+def _check_inputs(q, k, v_t, causal: bool, block_sizes: HopperBlockSizes):
   for name, x in (("q", q), ("k", k), ("v_t", v_t)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be 4-D; got shape {x.shape}.")
@@ -145,7 +144,7 @@ def _check_inputs(q, k, v_t, causal: bool, block_sizes: BlockSizes):
 
 def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row_lse_ref,
                     scoped, *,
-                    block_sizes: BlockSizes, causal: bool, head_dim: int, kv_len: int,
+                    block_sizes: HopperBlockSizes, causal: bool, head_dim: int, kv_len: int,
                     q_heads_per_kv_head: int):
   """Body of one CTA: 2 * block_q query rows of one (batch, head)."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
@@ -303,7 +302,7 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "block_sizes"))
-def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: BlockSizes):
+def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: HopperBlockSizes):
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
@@ -359,7 +358,7 @@ def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: BlockSizes):
 def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
                         descale_q: jax.Array, descale_k: jax.Array, descale_v: jax.Array,
                         *, causal: bool = False, sm_scale: float | jax.Array | None = None,
-                        block_sizes: BlockSizes = BlockSizes(), return_lse: bool = False,
+                        block_sizes: HopperBlockSizes = HopperBlockSizes(), return_lse: bool = False,
                         ) -> tuple[jax.Array, ...]:
   """FP8 flash-attention forward on Hopper FP8 tensor cores (Mosaic GPU).
 

@@ -67,7 +67,7 @@ def _compile_all() -> None:
   f8 = jnp.float8_e4m3fn
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
   for name, (causal, head_dim, block_kv) in _ATTENTION_CONFIGS.items():
-    blocks = fa.BlockSizes(block_kv=block_kv)
+    blocks = fa.HopperBlockSizes(block_kv=block_kv)
 
     def attention(q, k, v_t, dq, dk, dv, causal=causal, blocks=blocks):
       return fa.flash_attention_fp8(q, k, v_t, dq, dk, dv, causal=causal, block_sizes=blocks)
