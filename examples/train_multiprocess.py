@@ -7,12 +7,16 @@ process ends with the same parameters and the same FP8 state.
     # all processes on this machine (CPU, loopback), then compare their results:
     python examples/train_multiprocess.py --num-processes 2 --out out/mp
 
-    # one worker of a real cluster (run on each host with its own --process-id):
+    # one worker of a real cluster (run on each host with its own --process-id);
+    # JAX picks the platform (GPU where there is one), --cpu forces CPU + gloo:
     python examples/train_multiprocess.py --worker --process-id 0 --num-processes 2 \\
         --coordinator 10.0.0.1:12355 --out out/mp
 
 `--mode shard_map` (default) writes the step as per-device code with
 `jax.shard_map`; `--mode jit` lets XLA partition a global-array step (GSPMD).
+`--batch` is the global batch; it must divide evenly over all devices.
+The launcher passes `--steps`, `--batch`, `--mode` and `--out` on to its workers
+and starts them with `--cpu`: one CPU device each, collectives over gloo.
 Each worker writes `<out>/process_<i>.npz` (parameters and FP8 state) and
 `<out>/process_<i>.json` (losses and, per step, the recorded input amax of the
 first layer next to the amaxes of the whole global batch and of the process's own rows).
@@ -36,11 +40,27 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
-def launch(num_processes: int, out: str, steps: int = 8, mode: str = "shard_map",
-           timeout_s: float = 240.0) -> dict:
-  """Starts `num_processes` local workers over loopback and compares their results.
+# Flags that only the launcher reads, and flags that only a worker reads; every
+# other flag is given to both and forwarded by the launcher (`worker_command`).
+LAUNCHER_ONLY = ("timeout",)
+WORKER_ONLY = ("worker", "process_id", "coordinator", "cpu")
 
-  Every worker is killed if one fails or the time limit passes.
+
+def worker_command(process_id: int, coordinator: str, *, num_processes: int, out: str,
+                   steps: int, batch: int, mode: str) -> list[str]:
+  """The command line of one loopback worker: on CPU, with the launcher's settings."""
+  return [sys.executable, os.path.abspath(__file__), "--worker", "--cpu",
+          "--process-id", str(process_id), "--num-processes", str(num_processes),
+          "--coordinator", coordinator, "--out", str(out), "--steps", str(steps),
+          "--batch", str(batch), "--mode", mode]
+
+
+def launch(num_processes: int, out: str, steps: int = 8, mode: str = "shard_map",
+           timeout_s: float = 240.0, batch: int = 64) -> dict:
+  """Starts `num_processes` local CPU workers over loopback and compares their results.
+
+  Every worker is killed if one fails, the time limit passes or the launcher is
+  interrupted.
 
   Returns:
     {"identical": bool, "processes": [per-process JSON], "out": out}.
@@ -51,19 +71,18 @@ def launch(num_processes: int, out: str, steps: int = 8, mode: str = "shard_map"
   out_dir = pathlib.Path(out)
   out_dir.mkdir(parents=True, exist_ok=True)
   coordinator = f"127.0.0.1:{free_port()}"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # one CPU device per process
   workers = []
-  for pid in range(num_processes):
-    log = open(out_dir / f"process_{pid}.log", "w")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--process-id", str(pid),
-           "--num-processes", str(num_processes), "--coordinator", coordinator,
-           "--out", str(out_dir), "--steps", str(steps), "--mode", mode]
-    workers.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True), log))
   deadline = time.monotonic() + timeout_s
   failure = None
   try:
+    for pid in range(num_processes):
+      log = open(out_dir / f"process_{pid}.log", "w")
+      cmd = worker_command(pid, coordinator, num_processes=num_processes, out=str(out_dir),
+                           steps=steps, batch=batch, mode=mode)
+      workers.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True), log))
     while failure is None and any(p.poll() is None for p, _ in workers):
       if any(p.poll() not in (None, 0) for p, _ in workers):
         failure = "a worker exited with an error"
@@ -94,10 +113,15 @@ def launch(num_processes: int, out: str, steps: int = 8, mode: str = "shard_map"
 
 def worker(args) -> None:
   import jax
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if args.cpu:  # else the platform is JAX's choice: the GPUs of a GPU host
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                              initialization_timeout=60)
+  if args.batch % jax.device_count():
+    raise ValueError(f"--batch {args.batch} does not split over {jax.device_count()} devices "
+                     f"({args.num_processes} processes); pass a multiple of "
+                     f"{jax.device_count()}.")
   import flax.linen as nn
   import jax.numpy as jnp
   import numpy as np
@@ -151,6 +175,7 @@ def worker(args) -> None:
   local = lambda a: np.asarray(a.addressable_data(0))
   rows = batch // jax.process_count()
   log = {"process_index": jax.process_index(), "devices": jax.device_count(), "mode": args.mode,
+         "platform": jax.devices()[0].platform, "batch": batch, "steps": args.steps,
          "losses": [], "x_amax_recorded": [], "x_amax_global_batch": [], "x_amax_own_rows": []}
   for step in range(args.steps):
     xb, yb = x_all[step * batch:(step + 1) * batch], y_all[step * batch:(step + 1) * batch]
@@ -172,24 +197,42 @@ def worker(args) -> None:
   jax.distributed.shutdown()
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--num-processes", type=int, default=2)
   parser.add_argument("--worker", action="store_true", help="run one worker (else: launch all)")
-  parser.add_argument("--process-id", type=int, default=0)
-  parser.add_argument("--coordinator", default=None, help="host:port of process 0")
+  parser.add_argument("--process-id", type=int, default=None, help="worker: its index")
+  parser.add_argument("--coordinator", default=None, help="worker: host:port of process 0")
+  parser.add_argument("--cpu", action="store_true",
+                      help="worker: run on CPU with gloo collectives (else JAX picks)")
   parser.add_argument("--steps", type=int, default=8)
-  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=64, help="global batch (all processes)")
   parser.add_argument("--mode", choices=["shard_map", "jit"], default="shard_map")
-  parser.add_argument("--timeout", type=float, default=240.0)
+  parser.add_argument("--timeout", type=float, default=None,
+                      help="launcher: seconds before all workers are killed (default 240)")
   parser.add_argument("--out", default="out/multiprocess")
+  return parser
+
+
+def main(argv=None):
+  parser = build_parser()
   args = parser.parse_args(argv)
+  if args.batch < 1 or args.batch % args.num_processes:
+    parser.error(f"--batch {args.batch} does not split over --num-processes "
+                 f"{args.num_processes}; pass a positive multiple of it.")
   if args.worker:
-    if args.coordinator is None:
-      parser.error("--worker needs --coordinator host:port")
+    if args.coordinator is None or args.process_id is None:
+      parser.error("--worker needs --coordinator host:port and --process-id")
+    if args.timeout is not None:
+      parser.error("--timeout is the launcher's limit; a worker waits for its peers "
+                   "(jax.distributed) instead")
     worker(args)
     return None
-  result = launch(args.num_processes, args.out, args.steps, args.mode, args.timeout)
+  if args.coordinator is not None or args.process_id is not None:
+    parser.error("--coordinator and --process-id are for --worker; the launcher starts "
+                 "all processes on this machine and picks a loopback port itself")
+  result = launch(args.num_processes, args.out, args.steps, args.mode,
+                  240.0 if args.timeout is None else args.timeout, args.batch)
   losses = result["processes"][0]["losses"]
   print(f"{args.num_processes} processes, {args.steps} steps ({args.mode}): loss "
         f"{losses[0]:.4f} -> {losses[-1]:.4f}; params and FP8 state identical on all "
@@ -200,4 +243,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  # A terminated launcher still runs launch()'s cleanup, which kills the workers.
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   main()

@@ -151,6 +151,10 @@ def check_complete(directory: str | os.PathLike) -> pathlib.Path:
     raise FileNotFoundError(f"No checkpoint at directory={str(directory)!r}.{hint}")
   missing = [part for part in (COMMIT_MARKER, "state", "description")
              if not (path / part).exists()]
+  # orbax's record of the tree: without it orbax misreads the tree's structure
+  # instead of reporting a missing file.
+  if "state" not in missing and not (path / "state" / "_METADATA").exists():
+    missing.append("state/_METADATA")
   if missing:
     raise ValueError(
         f"directory={str(directory)!r} is not a complete fp8jax checkpoint: {missing} "
@@ -195,6 +199,9 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
     FileNotFoundError / ValueError: incomplete or missing checkpoint (see
       `check_complete`), or a target that does not match the checkpoint; the
       message names the path inside the tree and both sides.
+    ValueError "Could not read the arrays": array files missing, cut short or
+      corrupt. Other errors of orbax or jax (e.g. a target sharding that does not
+      divide an array's shape) pass through unchanged.
   """
   ocp = _orbax()
   path = check_complete(directory)
@@ -212,11 +219,29 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
   try:
     restored = checkpointer.restore(
         path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-  except Exception as error:  # orbax / tensorstore errors for damaged files
+  except (OSError, ValueError) as error:
+    if not _is_unreadable_files_error(error):
+      raise  # e.g. a sharding that does not fit an array: its own message says what
     raise ValueError(
-        f"Could not read the arrays of checkpoint {str(directory)!r} (damaged or partly "
-        f"deleted files?): {type(error).__name__}: {error}") from error
+        f"Could not read the arrays of checkpoint {str(directory)!r}: its files are "
+        f"missing, cut short or corrupt (a partial copy?): {type(error).__name__}: "
+        f"{error}") from error
   return {name: restored[name] for name in ITEMS}
+
+
+# tensorstore raises every failure as a ValueError whose message starts with the
+# status code. A deleted array file reads as NOT_FOUND, a truncated one as
+# OUT_OF_RANGE (a byte range past its end), a corrupted one or a corrupted OCDBT
+# manifest as DATA_LOSS. A target that does not fit (shape, sharding) fails in
+# orbax or jax with a plain ValueError instead, which is let through.
+_UNREADABLE_STATUS = ("NOT_FOUND:", "OUT_OF_RANGE:", "DATA_LOSS:", "PERMISSION_DENIED:")
+
+
+def _is_unreadable_files_error(error: Exception) -> bool:
+  """Whether an error of orbax's restore means that files are missing or unreadable."""
+  if isinstance(error, (OSError, json.JSONDecodeError)):  # orbax's own metadata files
+    return True
+  return isinstance(error, ValueError) and str(error).startswith(_UNREADABLE_STATUS)
 
 
 def _check_arrays(item: str, target: Any, saved: dict) -> None:
@@ -267,8 +292,13 @@ def _with_saved_recipes(fp8_state: Any, saved: dict) -> Any:
     if key not in saved:
       raise ValueError(f"fp8_state{key} is not in the checkpoint.")
     want = saved[key]
+    # The saved shapes (the history length may differ from the target's), the
+    # target's placement: restore reads each array straight onto its shardings.
     converted.append(Fp8Meta(
-        scale=jax.ShapeDtypeStruct(tuple(want["scale_shape"]), np.float32),
-        amax_history=jax.ShapeDtypeStruct(tuple(want["history_shape"]), np.float32),
+        scale=jax.ShapeDtypeStruct(tuple(want["scale_shape"]), np.float32,
+                                   sharding=getattr(meta.scale, "sharding", None)),
+        amax_history=jax.ShapeDtypeStruct(tuple(want["history_shape"]), np.float32,
+                                          sharding=getattr(meta.amax_history, "sharding",
+                                                           None)),
         recipe=recipe_from_description(want["recipe"]), fmt=_FORMATS[want["fmt"]]))
   return jax.tree.unflatten(treedef, converted)

@@ -211,7 +211,11 @@ def test_writer_killed_mid_save_leaves_no_loadable_checkpoint(tmp_path):
 @pytest.mark.parametrize("damage,error,match", [
     ("commit_success.txt", ValueError, r"\['commit_success.txt'\] missing"),
     ("state", ValueError, r"\['state'\] missing"),
-    ("array files", ValueError, "Could not read the arrays"),
+    ("state/_METADATA", ValueError, r"\['state/_METADATA'\] missing"),
+    # tensorstore's NOT_FOUND, OUT_OF_RANGE and DATA_LOSS, in that order.
+    ("array files", ValueError, "Could not read the arrays.*missing, cut short or corrupt"),
+    ("array files cut short", ValueError, "Could not read the arrays.*OUT_OF_RANGE"),
+    ("array index overwritten", ValueError, "Could not read the arrays.*DATA_LOSS"),
 ])
 def test_partial_directory_is_detected_and_not_loaded(tmp_path, damage, error, match):
   params, opt_state, fp8_state = trained_state(steps=1)
@@ -219,9 +223,47 @@ def test_partial_directory_is_detected_and_not_loaded(tmp_path, damage, error, m
   if damage == "array files":  # e.g. a copy cut short: the chunk files of the arrays
     for data_dir in path.glob("state/**/d"):
       shutil.rmtree(data_dir)
+  elif damage == "array files cut short":
+    for data_file in path.glob("state/d/*"):
+      os.truncate(data_file, 16)
+  elif damage == "array index overwritten":  # the OCDBT manifest that locates the chunks
+    (path / "state" / "manifest.ocdbt").write_bytes(b"\x01" * 32)
   elif (path / damage).is_dir():
     shutil.rmtree(path / damage)
   else:
     (path / damage).unlink()
   with pytest.raises(error, match=match):
     ckpt.restore(path, params=params, opt_state=opt_state, fp8_state=fp8_state)
+
+
+def test_target_mismatch_found_by_orbax_keeps_its_own_message(tmp_path, monkeypatch):
+  params, opt_state, fp8_state = trained_state(steps=1)
+  path = ckpt.save(tmp_path / "c", params=params, opt_state=opt_state, fp8_state=fp8_state)
+  # fp8jax compares shapes before reading; without that check the mismatch reaches
+  # orbax, whose error is about the target and must not read as damaged files.
+  monkeypatch.setattr(ckpt, "_check_arrays", lambda *args: None)
+  with pytest.raises(ValueError, match=r"Requested shape: \(8, 8\) is not compatible with the "
+                                       r"stored shape: \(8, 16\)") as raised:
+    ckpt.restore(path, params=dict(params, w1=jnp.zeros((8, 8), jnp.bfloat16)),
+                 opt_state=opt_state, fp8_state=fp8_state)
+  assert "Could not read" not in str(raised.value)
+
+
+@pytest.mark.parametrize("keep_saved_recipes", [False, True])
+def test_restore_places_arrays_on_the_target_shardings(tmp_path, keep_saved_recipes):
+  params, opt_state, fp8_state = trained_state(steps=1)
+  path = ckpt.save(tmp_path / "c", params=params, opt_state=opt_state, fp8_state=fp8_state)
+  # One device is enough: a NamedSharding is a different placement from the
+  # SingleDeviceSharding that orbax restores to when it is not told one.
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  # keep_saved_recipes=True builds the FP8 targets from the saved shapes (here a
+  # longer target history than saved); the shardings must still be the target's.
+  recipe = fp8jax.DelayedScaling(amax_history_len=8) if keep_saved_recipes else RECIPE
+  target = fp8jax.sharding.replicated(
+      {"l1": fp8jax.init_dot_meta(recipe), "l2": fp8jax.init_dot_meta(recipe)}, mesh)
+  restored = ckpt.restore(path, params=jax.device_put(params, on_mesh), opt_state=opt_state,
+                          fp8_state=target, keep_saved_recipes=keep_saved_recipes)
+  for leaf in jax.tree.leaves((restored["params"], restored["fp8_state"])):
+    assert leaf.sharding == on_mesh
+  assert_bitwise_equal(restored["fp8_state"], fp8_state)
