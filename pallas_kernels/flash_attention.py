@@ -37,8 +37,17 @@ Backward (FlashAttention-2, recompute from lse, deterministic, no atomics):
 One kernel owns a k/v block and loops over q blocks (dK, dV); another owns a q
 block and loops over k/v blocks (dQ). Under grouped-query attention dK and dV
 are produced per query head in float32 and summed over each group afterwards.
-The FP8 backward runs in bf16 on the dequantized q, k, v: its gradients are the
-exact-attention gradients w.r.t. the dequantized inputs (straight-through).
+
+FP8 backward: its gradients are the exact-attention gradients w.r.t. the
+dequantized inputs (straight-through). The kernels get the E4M3 values
+themselves, cast to bf16 (exact: E4M3 is a subset of bf16), and the descales
+as a float32 operand, as in the forward. With x = x8 * descale_x:
+  S  = dot(q8, k8) * (sm_scale * descale_q * descale_k)   (the forward's logits)
+  dP = dot(dO, v8) * descale_v,  dV = P^T dO
+  dQ = (sm_scale * descale_k) * dS k8,  dK = (sm_scale * descale_q) * dS^T q8
+Dequantizing to bf16 first would round the scaled q and k (2**-9 relative) and
+move the recomputed logits off the ones the forward's lse was taken from, so
+the recomputed P would not sum to 1 (by several percent for peaked attention).
 
 Sequence lengths need not be multiples of the block sizes: the wrappers pad
 the sequences up to a block multiple and the kernels mask key positions past
@@ -375,8 +384,12 @@ def _pad_seq(x, length: int):
 
 
 def _recompute_p(q, k, lse2, tiling: _Tiling, q_start, kv_start, q_seg, kv_seg,
-                 logit_multiplier: float):
-  """P of one tile from the saved base-2 lse; exactly 0 where masked."""
+                 logit_multiplier):
+  """P of one tile from the saved base-2 lse; exactly 0 where masked.
+
+  `logit_multiplier` (a Python float, or a float32 scalar for FP8) must be the
+  forward's, bit for bit, so that P matches the lse.
+  """
   s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * logit_multiplier
   p = jnp.exp2(s - lse2[:, None])
   mask = _block_mask(tiling, q_start, kv_start, q_seg, kv_seg)
@@ -386,8 +399,43 @@ def _recompute_p(q, k, lse2, tiling: _Tiling, q_start, kv_start, q_seg, kv_seg,
   return p
 
 
-def _dkdv_kernel(*refs, tiling: _Tiling, sm_scale: float):
-  """One (kv block, batch, query head) program: dK and dV of its keys over all q blocks."""
+class _BackwardMultipliers(NamedTuple):
+  """Per-tile multipliers of the backward kernels (see the module docstring).
+
+  Python floats (compile-time constants) for bf16/f16 inputs; float32 scalars
+  read from the scalars operand for FP8.
+  `dp` is None when there is no v descale to apply.
+  """
+
+  logits: float | jax.Array  # sm_scale * log2(e) [* descale_q * descale_k]
+  dp: jax.Array | None  # descale_v
+  dq: float | jax.Array  # sm_scale [* descale_k]
+  dk: float | jax.Array  # sm_scale [* descale_q]
+
+
+def _backward_multipliers(scalars_ref, sm_scale: float) -> _BackwardMultipliers:
+  """Reads the FP8 scalars operand, or gives the static bf16/f16 multipliers."""
+  if scalars_ref is None:
+    return _BackwardMultipliers(logits=sm_scale * LOG2E, dp=None, dq=sm_scale, dk=sm_scale)
+  return _BackwardMultipliers(logits=scalars_ref[0], dp=scalars_ref[1], dq=scalars_ref[2],
+                              dk=scalars_ref[3])
+
+
+def _dp_tile(do, v, dp_multiplier):
+  """dP = dO v^T of one tile, times descale_v for E4M3 values of v."""
+  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+  return dp if dp_multiplier is None else dp * dp_multiplier
+
+
+def _dkdv_kernel(*refs, tiling: _Tiling, sm_scale: float, scaled: bool):
+  """One (kv block, batch, query head) program: dK and dV of its keys over all q blocks.
+
+  `scaled`: the first operand is the FP8 backward's float32 scalars
+  [logit multiplier, descale_v, sm_scale * descale_k, sm_scale * descale_q].
+  """
+  scalars_ref = refs[0] if scaled else None
+  refs = refs[1:] if scaled else refs
+  multipliers = _backward_multipliers(scalars_ref, sm_scale)
   if tiling.segmented:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
      dk_ref, dv_ref) = refs
@@ -410,9 +458,9 @@ def _dkdv_kernel(*refs, tiling: _Tiling, sm_scale: float):
     do = do_ref[q_slice, :]
     q_seg = q_seg_ref[q_slice] if tiling.segmented else None
     p = _recompute_p(q, k, lse_ref[q_slice], tiling, q_start, kv_start, q_seg, kv_seg,
-                     sm_scale * LOG2E)
+                     multipliers.logits)
     dv = dv + lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    dp = _dp_tile(do, v, multipliers.dp)
     ds = p * (dp - delta_ref[q_slice][:, None])
     dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=jnp.float32)
     return dk, dv
@@ -421,12 +469,18 @@ def _dkdv_kernel(*refs, tiling: _Tiling, sm_scale: float):
   first_q_block = lax.div(kv_start, block_q) if tiling.causal else 0
   zeros = jnp.zeros((block_kv, head_dim), jnp.float32)
   dk, dv = lax.fori_loop(first_q_block, tiling.num_q_blocks, body, (zeros, zeros))
-  dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
+  dk_ref[...] = (dk * multipliers.dk).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, tiling: _Tiling, sm_scale: float):
-  """One (q block, batch, query head) program: dQ of its rows over all key blocks."""
+def _dq_kernel(*refs, tiling: _Tiling, sm_scale: float, scaled: bool):
+  """One (q block, batch, query head) program: dQ of its rows over all key blocks.
+
+  `scaled`: as for `_dkdv_kernel`.
+  """
+  scalars_ref = refs[0] if scaled else None
+  refs = refs[1:] if scaled else refs
+  multipliers = _backward_multipliers(scalars_ref, sm_scale)
   if tiling.segmented:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref) = refs
   else:
@@ -447,23 +501,26 @@ def _dq_kernel(*refs, tiling: _Tiling, sm_scale: float):
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
     kv_seg = kv_seg_ref[kv_slice] if tiling.segmented else None
-    p = _recompute_p(q, k, lse2, tiling, q_start, kv_start, q_seg, kv_seg, sm_scale * LOG2E)
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    p = _recompute_p(q, k, lse2, tiling, q_start, kv_start, q_seg, kv_seg, multipliers.logits)
+    dp = _dp_tile(do, v, multipliers.dp)
     ds = p * (dp - delta[:, None])
     return dq + lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
   dq = jnp.zeros(q.shape, jnp.float32)
   dq = lax.fori_loop(0, _causal_kv_block_limit(tiling, q_block), body, dq)
-  dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
+  dq_ref[...] = (dq * multipliers.dq).astype(dq_ref.dtype)
 
 
-def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options):
+def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, scalars=None, *,
+                   options: _Options):
   """dQ, dK, dV of attention at (q, k, v), all in the compute dtype of q.
 
   Args:
-    q, k, v: bf16/f16 [B, S, H(kv), D] (already dequantized for FP8).
+    q, k, v: bf16/f16 [B, S, H(kv), D]; for FP8 the E4M3 values cast to bf16
+      (not dequantized: the descales come in `scalars`).
     out, dout: [B, Sq, H, D] forward output and its cotangent (any float dtype).
     lse2: f32[B, H, Sq], base-2 log-sum-exp from the forward.
+    scalars: None, or for FP8 `_fp8_backward_scalars(...)`, f32[4].
   """
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -486,6 +543,9 @@ def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options
   q_p, do_p = _pad_seq(q, q_pad), _pad_seq(dout.astype(dtype), q_pad)
   k_p, v_p = _pad_seq(k, kv_pad), _pad_seq(v, kv_pad)
   seg_operands = [_pad_seq(q_seg, q_pad), _pad_seq(kv_seg, kv_pad)] if segmented else []
+  scaled = scalars is not None
+  scalar_operands = [scalars] if scaled else []
+  scalar_specs = [pl.BlockSpec((4,), lambda *_: (0,))] if scaled else []
   params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd,
                                 num_stages=blocks.num_stages_bwd)
 
@@ -496,7 +556,7 @@ def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options
   full_rows = pl.BlockSpec((None, None, q_pad), lambda j, b, h: (b, h, 0))
   kv_tile = pl.BlockSpec((None, block_kv_dkv, None, head_dim),
                          lambda j, b, h: (b, j, h // group, 0))
-  in_specs = [full_q, kv_tile, kv_tile, full_q, full_rows, full_rows]
+  in_specs = scalar_specs + [full_q, kv_tile, kv_tile, full_q, full_rows, full_rows]
   if segmented:
     in_specs += [pl.BlockSpec((None, q_pad), lambda j, b, h: (b, 0)),
                  pl.BlockSpec((None, block_kv_dkv), lambda j, b, h: (b, j))]
@@ -505,7 +565,8 @@ def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options
   dkv_shape = jax.ShapeDtypeStruct((batch, kv_pad, num_heads, head_dim), dkv_dtype)
   dkv_spec = pl.BlockSpec((None, block_kv_dkv, None, head_dim), lambda j, b, h: (b, j, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, tiling=tiling, sm_scale=options.sm_scale),
+      functools.partial(_dkdv_kernel, tiling=tiling, sm_scale=options.sm_scale,
+                        scaled=scaled),
       grid=(kv_pad // block_kv_dkv, batch, num_heads),
       in_specs=in_specs,
       out_specs=[dkv_spec, dkv_spec],
@@ -513,7 +574,7 @@ def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options
       compiler_params=params,
       interpret=options.interpret,
       name="flash_attention_bwd_dkdv",
-  )(q_p, k_p, v_p, do_p, lse2, delta, *seg_operands)
+  )(*scalar_operands, q_p, k_p, v_p, do_p, lse2, delta, *seg_operands)
 
   # dQ: grid over query blocks; each program reads all of k and v.
   tiling = _Tiling(q_len=q_len, kv_len=kv_len, block_q=block_q_dq, block_kv=block_kv_dq,
@@ -521,12 +582,12 @@ def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options
   q_tile = pl.BlockSpec((None, block_q_dq, None, head_dim), lambda i, b, h: (b, i, h, 0))
   row_tile = pl.BlockSpec((None, None, block_q_dq), lambda i, b, h: (b, h, i))
   full_kv = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-  in_specs = [q_tile, full_kv, full_kv, q_tile, row_tile, row_tile]
+  in_specs = scalar_specs + [q_tile, full_kv, full_kv, q_tile, row_tile, row_tile]
   if segmented:
     in_specs += [pl.BlockSpec((None, block_q_dq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_pad), lambda i, b, h: (b, 0))]
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, tiling=tiling, sm_scale=options.sm_scale),
+      functools.partial(_dq_kernel, tiling=tiling, sm_scale=options.sm_scale, scaled=scaled),
       grid=(q_pad // block_q_dq, batch, num_heads),
       in_specs=in_specs,
       out_specs=q_tile,
@@ -534,7 +595,7 @@ def _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, *, options: _Options
       compiler_params=params,
       interpret=options.interpret,
       name="flash_attention_bwd_dq",
-  )(q_p, k_p, v_p, do_p, lse2, delta, *seg_operands)
+  )(*scalar_operands, q_p, k_p, v_p, do_p, lse2, delta, *seg_operands)
 
   dq, dk, dv = dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
   if group > 1:
@@ -696,18 +757,39 @@ def flash_attention_forward(
 
 @functools.partial(jax.jit, static_argnames=("options", "out_dtype"))
 def _forward_jit(q, k, v, q_seg, kv_seg, descales, out_scale, *, options, out_dtype):
-  logit_multiplier = jnp.float32(options.sm_scale * LOG2E)
+  logit_multiplier = _logit_multiplier(options.sm_scale, descales)
   pv_multiplier = jnp.float32(1.0)
   if descales is not None:
-    descale_q, descale_k, descale_v = descales
-    logit_multiplier = logit_multiplier * descale_q * descale_k
-    pv_multiplier = descale_v * (1.0 / P_SCALE)
+    pv_multiplier = descales[2] * (1.0 / P_SCALE)
   quantize_out = out_scale is not None
   scalars = jnp.stack([logit_multiplier, pv_multiplier,
                        out_scale if quantize_out else jnp.float32(1.0), jnp.float32(0.0)])
   return _forward_call(q, k, v, q_seg, kv_seg, scalars, options=options,
                        out_dtype=E4M3 if quantize_out else out_dtype,
                        quantize_out=quantize_out)
+
+
+def _logit_multiplier(sm_scale: float, descales):
+  """float32 base-2 logit multiplier: sm_scale * log2(e) [* descale_q * descale_k].
+
+  The forward and the FP8 backward both take it from here, so the backward's
+  recomputed logits are the forward's ones bit for bit (up to summation order).
+  """
+  multiplier = jnp.float32(sm_scale * LOG2E)
+  if descales is None:
+    return multiplier
+  return multiplier * descales[0] * descales[1]
+
+
+def _fp8_backward_scalars(sm_scale: float, descales):
+  """The FP8 backward kernels' float32 operand (they take E4M3 values cast to bf16).
+
+  [logit multiplier, descale_v, sm_scale * descale_k, sm_scale * descale_q]: the
+  logits, dP = dO v^T, dQ = dS k and dK = dS^T q each get their inputs' descales.
+  """
+  descale_q, descale_k, descale_v = descales
+  return jnp.stack([_logit_multiplier(sm_scale, descales), descale_v,
+                    jnp.float32(sm_scale) * descale_k, jnp.float32(sm_scale) * descale_q])
 
 
 def flash_attention_backward(
@@ -724,7 +806,8 @@ def flash_attention_backward(
   Args:
     q, k, v, descale_*, q_segment_ids, kv_segment_ids, causal, sm_scale,
       block_sizes, interpret: exactly as given to `flash_attention_forward`.
-      E4M3 inputs are dequantized to bf16 and the backward runs in bf16.
+      E4M3 inputs run in bf16 (exact for E4M3 values) with the descales
+      applied in float32, as the forward does.
     out: the forward output [batch, q_len, num_heads, head_dim] in bf16/f16/f32
       (dequantize an E4M3 output first).
     lse: float32[batch, num_heads, q_len] from `flash_attention_forward`.
@@ -748,25 +831,23 @@ def flash_attention_backward(
         f"lse must have shape [batch, num_heads, q_len] = "
         f"{(q.shape[0], q.shape[2], q.shape[1])}, got {jnp.shape(lse)}.")
   if q.dtype == E4M3:
-    q, k, v = (_dequantize(x, _scalar_f32(d, name)) for x, d, name in
-               ((q, descale_q, "descale_q"), (k, descale_k, "descale_k"),
-                (v, descale_v, "descale_v")))
+    descales = (_scalar_f32(descale_q, "descale_q"), _scalar_f32(descale_k, "descale_k"),
+                _scalar_f32(descale_v, "descale_v"))
     result_dtype = jnp.dtype(jnp.bfloat16)
   else:
+    descales = None
     result_dtype = jnp.dtype(q.dtype)
-    q, k, v = (x.astype(_compute_dtype(q)) for x in (q, k, v))
-  dq, dk, dv = _backward_jit(q, k, v, out, lse, dout, q_seg, kv_seg, options=options)
+  q, k, v = (x.astype(_compute_dtype(q)) for x in (q, k, v))
+  dq, dk, dv = _backward_jit(q, k, v, out, lse, dout, q_seg, kv_seg, descales,
+                             options=options)
   return dq.astype(result_dtype), dk.astype(result_dtype), dv.astype(result_dtype)
 
 
-def _dequantize(x, descale):
-  return (x.astype(jnp.float32) * descale).astype(jnp.bfloat16)
-
-
 @functools.partial(jax.jit, static_argnames=("options",))
-def _backward_jit(q, k, v, out, lse, dout, q_seg, kv_seg, *, options):
+def _backward_jit(q, k, v, out, lse, dout, q_seg, kv_seg, descales, *, options):
   lse2 = jnp.asarray(lse, jnp.float32) * LOG2E
-  return _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, options=options)
+  scalars = None if descales is None else _fp8_backward_scalars(options.sm_scale, descales)
+  return _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, scalars, options=options)
 
 
 def flash_attention(
@@ -867,15 +948,18 @@ def _attention_fp8_fwd(q, k, v, scales, q_seg, kv_seg, options, input_dtype):
   descales = tuple(1.0 / s for s in scales)
   out, out_amax, lse2 = _forward_jit(*quantized, q_seg, kv_seg, descales, None,
                                      options=options, out_dtype=jnp.dtype(jnp.bfloat16))
-  residuals = (quantized, descales, out, lse2, q_seg, kv_seg)
+  # The natural-log lse, as `flash_attention_forward` returns it: the backward below is
+  # then the public `flash_attention_backward` path, bit for bit (base 2 -> e -> 2 is
+  # not exact in float32, and a last-bit change of lse can flip a bf16 rounding of P).
+  residuals = (quantized, descales, out, lse2 * (1.0 / LOG2E), q_seg, kv_seg)
   return (out, out_amax), residuals
 
 
 def _attention_fp8_bwd(options, input_dtype, residuals, cotangents):
-  quantized, descales, out, lse2, q_seg, kv_seg = residuals
+  quantized, descales, out, lse, q_seg, kv_seg = residuals
   dout, _ = cotangents  # out_amax is a statistic, not a differentiable output.
-  q, k, v = (_dequantize(x, d) for x, d in zip(quantized, descales))
-  grads = _backward_call(q, k, v, out, lse2, dout, q_seg, kv_seg, options=options)
+  q, k, v = (x.astype(jnp.bfloat16) for x in quantized)
+  grads = _backward_jit(q, k, v, out, lse, dout, q_seg, kv_seg, descales, options=options)
   grads = tuple(g.astype(input_dtype) for g in grads)
   return (*grads, None, None, None)
 

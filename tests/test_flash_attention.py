@@ -83,10 +83,12 @@ def _inputs(case: Case, dtype, seed: int = 0):
   return q, k, v, dout, q_seg, kv_seg
 
 
-def _reference(q, k, v, dout, q_seg, kv_seg, causal, sm_scale):
+def _reference(q, k, v, dout, q_seg, kv_seg, causal, sm_scale, delta_out=None):
   """float64 numpy attention forward and backward: (out, lse, dq, dk, dv).
 
   Rows with no allowed key give out = 0, lse = -inf and zero gradients.
+  `delta_out`: take delta = rowsum(dO * O) from this output (e.g. a kernel's own
+  forward output) instead of the exact one; only dq and dk depend on it.
   """
   q, k, v, dout = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, dout))
   batch, q_len, heads, head_dim = q.shape
@@ -110,7 +112,12 @@ def _reference(q, k, v, dout, q_seg, kv_seg, causal, sm_scale):
   out = np.einsum("bhqk,bkhd->bqhd", p, v_rep)
   dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
   dp = np.einsum("bqhd,bkhd->bhqk", dout, v_rep)
-  ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+  if delta_out is None:
+    delta = np.sum(dp * p, axis=-1, keepdims=True)
+  else:
+    delta_out = np.asarray(jnp.asarray(delta_out, jnp.float32), np.float64)
+    delta = np.einsum("bqhd,bqhd->bhq", dout, delta_out)[..., None]
+  ds = p * (dp - delta)
   dq = np.einsum("bhqk,bkhd->bqhd", ds, k_rep) * sm_scale
   dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * sm_scale
   dk = dk.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
@@ -231,6 +238,48 @@ def test_fp8_forward_and_gradients_match_float64_reference_on_dequantized_inputs
                                   np.asarray(wrapper_grad, np.float32))
 
 
+def test_fp8_gradients_of_peaked_attention_are_exact_gradients_at_dequantized_inputs():
+  # q ~ 4 N(0, 1) gives logits of standard deviation 4: each row's softmax is
+  # dominated by a few keys, so the gradients are sensitive to how well the backward
+  # reproduces the forward's P. The backward recomputes P = exp(S - lse) from the
+  # forward's lse, which is only consistent if S is the forward's S; the kernel takes
+  # the E4M3 values themselves (exact in bf16) and the forward's float32 multiplier, so
+  # S matches up to float32 summation order. What remains is the bf16 path's error,
+  # two bf16 roundings in sequence (of P or dS for the product, then of the result),
+  # each at most 2**-9 relative per element and of mixed sign: `tol` = 2**-8 is their
+  # sum (measured: 2.4e-3, as on the bf16 path). That holds for
+  #  - dV = P^T dO, which does not involve the forward's O;
+  #  - dQ, dK against a reference that takes delta = rowsum(dO * O) from the kernel's
+  #    own forward O. Against the exact reference they also differ by
+  #    sm_scale * (delta_O - delta)_i * (P k)_i (and its dK analogue), where
+  #    delta_O - delta = dO_i . (O_kernel - O)_i carries P's E4M3 rounding in the
+  #    forward: the FP8 forward's FP8_TOL bound (measured: 9.6e-3).
+  # Dequantizing to bf16 before the backward (rounding q * descale_q and k * descale_k
+  # to 8 bits) moves the recomputed logits off the forward's, so the recomputed P no
+  # longer sums to 1: that gave 1.2e-2 on dV and 1.4e-2 on dQ, dK (O-consistent).
+  tol = 2.0**-8
+  case = Case(1, 232, 232, 2, 1, 128, causal=True)
+  q, k, v, dout, _, _ = _inputs(case, jnp.float32, seed=9)
+  q = 4.0 * q
+  dout = dout.astype(jnp.bfloat16)
+  scales = [jnp.float32(448.0) / jnp.max(jnp.abs(x)) for x in (q, k, v)]
+  (_, q_deq), (_, k_deq), (_, v_deq) = (_quantize(x, s) for x, s in zip((q, k, v), scales))
+  (out, _), vjp = jax.vjp(lambda q, k, v: flash_attention_fp8(
+      q, k, v, *scales, causal=True, block_sizes=SMALL_BLOCKS), q, k, v)
+  dq, dk, dv = vjp((dout, jnp.zeros((), jnp.float32)))
+  sm_scale = case.head_dim**-0.5
+  _, _, ref_dq, ref_dk, ref_dv = _reference(
+      q_deq, k_deq, v_deq, dout, None, None, True, sm_scale)
+  _, _, ref_dq_o, ref_dk_o, _ = _reference(
+      q_deq, k_deq, v_deq, dout, None, None, True, sm_scale, delta_out=out)
+
+  assert _rel_err(dv, ref_dv) < tol
+  assert _rel_err(dq, ref_dq_o) < tol
+  assert _rel_err(dk, ref_dk_o) < tol
+  assert _rel_err(dq, ref_dq) < FP8_TOL
+  assert _rel_err(dk, ref_dk) < FP8_TOL
+
+
 def test_fp8_descales_are_traced_so_new_scales_do_not_retrace():
   case = Case(1, 64, 64, 2, 2, 64)
   q, k, v, _, _, _ = _inputs(case, jnp.float32, seed=3)
@@ -248,6 +297,25 @@ def test_fp8_descales_are_traced_so_new_scales_do_not_retrace():
   assert len(traces) == 1
   # Doubling v's descale doubles the output exactly (power-of-two scaling of bf16 values).
   np.testing.assert_array_equal(np.asarray(out_2, np.float32), 2 * np.asarray(out_1, np.float32))
+
+  # The backward takes its descales as operands too.
+  backward_traces = []
+  lse = flash_attention_forward(q8, k8, v8, descale_q=jnp.float32(1), descale_k=jnp.float32(1),
+                                descale_v=jnp.float32(1), block_sizes=SMALL_BLOCKS).lse
+
+  @jax.jit
+  def grads(descale_v):
+    backward_traces.append(1)
+    return flash_attention_backward(q8, k8, v8, out_1, lse, out_1, descale_q=jnp.float32(1),
+                                    descale_k=jnp.float32(1), descale_v=descale_v,
+                                    block_sizes=SMALL_BLOCKS)
+
+  dq_1, _, dv_1 = grads(jnp.float32(1.0))
+  dq_2, _, dv_2 = grads(jnp.float32(2.0))
+  assert len(backward_traces) == 1
+  # descale_v enters dP = dO v^T (so dQ moves), not P or dV = P^T dO.
+  np.testing.assert_array_equal(np.asarray(dv_2, np.float32), np.asarray(dv_1, np.float32))
+  assert not np.array_equal(np.asarray(dq_2, np.float32), np.asarray(dq_1, np.float32))
 
 
 def test_padded_keys_cannot_influence_real_rows():
