@@ -20,8 +20,7 @@ import dataclasses
 import functools
 import warnings
 
-
-from pallas_kernels.flash_attention import SUPPORTED_HEAD_DIMS as PALLAS_HEAD_DIMS
+from pallas_kernels import SUPPORTED_HEAD_DIMS as PALLAS_HEAD_DIMS
 
 BACKENDS = ("pallas", "pallas_hopper_fp8", "cudnn", "xla")
 # The Hopper FP8 kernel's constraints (see pallas_kernels/flash_attention_fp8_hopper.py).

@@ -33,7 +33,7 @@ from fp8jax.quantize import amax, quantize_with_meta
 from fp8jax.recipes import Recipe, check_recipe
 from fp8jax.scaling import record_amax
 from fp8jax.validation import check_floating
-from pallas_kernels import flash_attention as pallas_attention
+import pallas_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   choice = choose_backend(q, k, fp8=False, causal=causal,
                           has_segments=q_segment_ids is not None, backend=backend)
   if choice.name == "pallas":
-    return pallas_attention.flash_attention(
+    return pallas_kernels.flash_attention(
         q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         causal=causal, sm_scale=sm_scale)
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
@@ -212,12 +212,11 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
 
 def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
   if backend == "pallas_hopper_fp8":
-    from pallas_kernels import flash_attention_fp8_hopper as hopper
-    out, out_amax, lse = hopper.flash_attention_fp8(
-        q8, k8, hopper.transpose_v(v8), *descales, causal=call.causal,
+    out, out_amax, lse = pallas_kernels.hopper_fp8_attention_forward(
+        q8, k8, pallas_kernels.transpose_v(v8), *descales, causal=call.causal,
         sm_scale=call.sm_scale, return_lse=True)
     return out, out_amax, lse
-  result = pallas_attention.flash_attention_forward(
+  result = pallas_kernels.flash_attention_forward(
       q8, k8, v8, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
       q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
       interpret=call.interpret)
@@ -238,7 +237,7 @@ def _fp8_attention_bwd(call, residuals, cotangents):
         q, k, v, call.causal, q_seg, kv_seg, call.sm_scale, "xla"), *dequantized)
     dq, dk, dv = vjp(g.astype(jnp.float32))
   else:
-    dq, dk, dv = pallas_attention.flash_attention_backward(
+    dq, dk, dv = pallas_kernels.flash_attention_backward(
         q8, k8, v8, out, lse, g.astype(out.dtype), descale_q=descales[0],
         descale_k=descales[1], descale_v=descales[2], q_segment_ids=q_seg,
         kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
