@@ -11,6 +11,8 @@ Two references:
   product sum_i a_i b_i that bounds the error by
   sum_i (ea_i |b_i| + |a_i| eb_i + ea_i eb_i).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +44,7 @@ def _warm_meta(recipe, x, kernel, g):
   for role, t in (("x", x), ("kernel", kernel), ("grad", g)):
     r = getattr(meta, role)
     scale = fp8jax.scale_from_amax(fp8jax.amax(t), r.fmt, recipe.margin, r.scale)
-    meta = meta.__class__(**{**meta.__dict__, role: r.__class__(
-        scale, r.amax_history, r.recipe, r.fmt)})
+    meta = dataclasses.replace(meta, **{role: dataclasses.replace(r, scale=scale)})
   return meta
 
 

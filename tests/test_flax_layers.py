@@ -25,6 +25,14 @@ def _inputs(shape=(3, 5, 16), seed=0):
   return jax.random.normal(jax.random.key(seed), shape)
 
 
+def _pure_dense_step(params, x, target):
+  """The reference: one value_and_grad step of fp8_dense on fresh state, loss sum(y * target)."""
+  def loss_fn(params, meta, x):
+    y, meta = fp8jax.fp8_dense(x, params["kernel"], params["bias"], meta)
+    return jnp.sum(y * target), meta
+  return jax.jit(fp8jax.value_and_grad(loss_fn))(params, fp8jax.init_dot_meta(RECIPE), x)
+
+
 def _linen_step(model, variables, x, target):
   def loss_fn(params, fp8_state, x):
     y, updates = model.apply({"params": params, "fp8_meta": fp8_state}, x, mutable=["fp8_meta"])
@@ -41,12 +49,7 @@ def test_linen_fp8_dense_matches_pure_function_in_a_train_step():
   target = _inputs((3, 5, 8), seed=2)
   loss, grads, state = _linen_step(model, variables, x, target)
 
-  p = variables["params"]
-  def pure_loss(params, meta, x):
-    y, meta = fp8jax.fp8_dense(x, params["kernel"], params["bias"], meta)
-    return jnp.sum(y * target), meta
-  want_loss, want_grads, want_state = jax.jit(fp8jax.value_and_grad(pure_loss))(
-      p, fp8jax.init_dot_meta(RECIPE), x)
+  want_loss, want_grads, want_state = _pure_dense_step(variables["params"], x, target)
   assert float(loss) == float(want_loss)
   assert_trees_equal(grads, want_grads)
   assert_trees_equal(state["dot_meta"], want_state)
@@ -199,12 +202,8 @@ def test_nnx_fp8_linear_matches_pure_function_and_splits_out_its_state():
   assert [leaf.shape for leaf in jax.tree.leaves(params)] == [(8,), (16, 8)]
   assert len(jax.tree.leaves(fp8_state)) == 6  # 3 roles x (scale, history)
 
-  p = {"kernel": model.kernel.get_value(), "bias": model.bias.get_value()}
-  def pure_loss(params, meta, x):
-    y, meta = fp8jax.fp8_dense(x, params["kernel"], params["bias"], meta)
-    return jnp.sum(y * target), meta
-  want_loss, want_grads, want_state = jax.jit(fp8jax.value_and_grad(pure_loss))(
-      p, fp8jax.init_dot_meta(RECIPE), x)
+  want_loss, want_grads, want_state = _pure_dense_step(
+      {"kernel": model.kernel.get_value(), "bias": model.bias.get_value()}, x, target)
   assert float(loss) == float(want_loss)
   np.testing.assert_array_equal(np.asarray(grads["kernel"].get_value()), np.asarray(want_grads["kernel"]))
   assert_trees_equal(state["fp8_meta"].get_value(), want_state)
