@@ -29,8 +29,24 @@ What XLA does with fp8jax's GEMMs (jax 0.10.2, deviceless sm_90a):
 * `xla_allow_excess_precision` (on by default) lets XLA drop a cast to FP8 that
   is followed by a widening cast: `dequantize(quantize(x))` then does no FP8
   rounding at all on GPU.
+
+The cost model reads the same optimized HLO and predicts the program's time on
+an H100 kernel by kernel: a roofline `max(GEMM FLOPs / rate, bytes / HBM
+bandwidth)` plus a fixed cost per kernel launch, summed over the kernels (loop
+bodies times their trip count). The machine constants are `CostConstants`
+(measured H100 SXM defaults; override them for another GPU):
+
+    fp8 = lowering.cost(fp8_step, *fp8_args)          # a CostReport; print(fp8) for its table
+    bf16 = lowering.cost(bf16_step, *bf16_args)
+    print(lowering.compare(fp8, bf16))                # .speedup: bf16 time / FP8 time
+
+`example_train_step(precision="bf16")` is the built-in example's bf16 twin, and
+`fp8jax cost` compares the two. It is a model, not a measurement: it counts
+each kernel's minimum traffic and ignores overlap, caches and tile effects.
 """
 from fp8jax import platform_guard as _platform_guard  # noqa: F401  (before any backend use)
+from fp8jax.lowering.cost import (CostComparison, CostConstants, CostReport, KernelCost, compare,
+                                  cost, cost_hlo)
 from fp8jax.lowering.example import example_train_step
 from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS, inspect, inspect_hlo
 from fp8jax.lowering.report import (Convert, Gemm, GemmKind, LoweringReport, Operand,
@@ -39,4 +55,5 @@ from fp8jax.lowering.report import (Convert, Gemm, GemmKind, LoweringReport, Ope
 __all__ = [
     "inspect", "inspect_hlo", "CUBLAS_ONLY_OPTIONS", "example_train_step",
     "LoweringReport", "Gemm", "GemmKind", "Operand", "Transpose", "Convert",
+    "cost", "cost_hlo", "compare", "CostConstants", "CostReport", "CostComparison", "KernelCost",
 ]

@@ -23,6 +23,8 @@ from fp8jax.lowering.hlo_text import ArrayShape, HloModule, Instruction
 from fp8jax.lowering.report import Convert, Gemm, GemmKind, Operand, Transpose, is_fp8
 
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+# The name of fp8jax's fused cast-transpose-amax Pallas kernel in HLO op names.
+FUSED_QUANTIZE_KERNEL = "cast_transpose_amax"
 _TRITON_GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion")
 _PASS_THROUGH = {
     "bitcast", "reshape", "copy", "transpose", "convert", "pad", "slice", "multiply", "divide",
@@ -81,14 +83,14 @@ def _fusion_kind(instr: Instruction) -> str:
   return instr.backend_config().get("fusion_backend_config", {}).get("kind", "")
 
 
-def _dot_inside(module, computation) -> Instruction | None:
-  """The dot in a GEMM fusion (looking into nested fusions)."""
+def dot_inside(module, computation) -> Instruction | None:
+  """The dot (or scaled dot) in a GEMM fusion, looking into nested fusions; None if none."""
   for instr in computation.instructions.values():
-    if instr.opcode == "dot":
+    if instr.opcode in ("dot", "scaled-dot"):
       return instr
     if instr.opcode == "fusion":
       inner = module.called(instr)
-      found = _dot_inside(module, inner) if inner is not None else None
+      found = dot_inside(module, inner) if inner is not None else None
       if found is not None:
         return found
   return None
@@ -110,7 +112,7 @@ def _as_gemm(module, instr, stack, ptx_mma) -> Gemm | None:
 
   if instr.opcode == "fusion" and instr.attributes.get("kind") == "kCustom":
     callee = module.called(instr)
-    dot = _dot_inside(module, callee) if callee is not None else None
+    dot = dot_inside(module, callee) if callee is not None else None
     if dot is None:
       return None
     fusion_kind = _fusion_kind(instr)
@@ -253,6 +255,14 @@ def _trace(module: HloModule, gemm: Instruction, operand_index: int, stack: list
       continue
     if op == "custom-call":
       target = cur.attributes.get("custom_call_target", "")
+      if FUSED_QUANTIZE_KERNEL in cur.op_name and cur.operands:
+        # fp8jax's cast-transpose-amax kernel: output 0 is the FP8 copy, output 1
+        # the transposed FP8 copy, both written in the one pass that reads the input.
+        quantized_in = cur.name
+        if tuple_index == 1:
+          transposes.append(Transpose(cur.name, dtype=cur.shapes[1].dtype, in_quantize=True))
+        source = _describe(module, comp, module.instruction(comp, cur.operands[0]))
+        break
       source = (f"output of GEMM {cur.name}" if target.startswith("__cublas$")
                 else f"custom-call {cur.name} ({target})")
       break
@@ -382,7 +392,7 @@ def _main_operand(module, comp, instr) -> Instruction | None:
 def _is_gemm_instruction(module, instr) -> bool:
   if instr.opcode == "fusion" and instr.attributes.get("kind") == "kCustom":
     callee = module.called(instr)
-    return callee is not None and _dot_inside(module, callee) is not None
+    return callee is not None and dot_inside(module, callee) is not None
   return False
 
 
