@@ -5,13 +5,29 @@
   interpreter on CPU), bf16/f16 and FP8 E4M3 with descales.
 * `hopper_fp8_attention_forward`: the FP8 forward whose dots are FP8 `wgmma` on
   Hopper (Mosaic GPU); q, k and V^T as E4M3.
+* `cast_transpose_amax`: one pass over a 2-D tensor that writes its FP8 copy, the
+  transposed FP8 copy and its amax folded into a running amax (Triton-lowered on GPUs,
+  the Pallas interpreter on CPU); `cast_transpose_amax_reference` is its plain-jnp
+  definition, `CastTransposeBlockSizes` its tiles.
+* `running_amax`: the amax-only pass of the same kernel, max(amax_in, max|x|) (the
+  module's `cast_transpose.amax`, renamed here so it does not read like
+  `fp8jax.quantize.amax`, which takes no running amax).
+* `close_steps`: the end-of-step update of delayed scaling (history roll, new
+  scale and reciprocal) for many tensor roles in one launch;
+  `close_steps_reference` is its plain-jnp definition; `amax_max` the max of
+  two amaxes that keeps NaN on every backend.
 """
+from pallas_kernels.cast_transpose import (CastTransposeBlockSizes, cast_transpose_amax,
+                                           cast_transpose_amax_reference)
+from pallas_kernels.cast_transpose import amax as running_amax
+from pallas_kernels.scale_update import amax_max, close_steps, close_steps_reference
 from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention,
                                             flash_attention_backward, flash_attention_forward)
 from pallas_kernels.flash_attention_fp8_hopper import (
     flash_attention_fp8 as hopper_fp8_attention_forward, transpose_v)
 
 __all__ = [
-    "SUPPORTED_HEAD_DIMS", "flash_attention", "flash_attention_backward",
-    "flash_attention_forward", "hopper_fp8_attention_forward", "transpose_v",
+    "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "cast_transpose_amax",
+    "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention", "flash_attention_backward",
+    "flash_attention_forward", "hopper_fp8_attention_forward", "running_amax", "transpose_v",
 ]

@@ -1,0 +1,219 @@
+"""One kernel that closes a delayed-scaling step for many tensor roles at once.
+
+At the end of a training step every FP8 tensor role (x, kernel, grad of every
+layer) pushes the step's amax into its history and gets a new scale. Written in
+jnp, XLA compiles that into a few kernels *per role* (it does not fuse
+independent small outputs into one kernel), so the update of a deep model is
+dozens of tiny launches. This kernel does all roles of one call in a single
+launch: it reads each role's arrays and writes each role's outputs directly,
+so nothing is concatenated or split around it.
+
+Per role, with history length L and `numerator = fmt_max / 2**margin`:
+
+    amax      = max(amax, other_amax)   when a second amax per role is given (what
+                                        the forward and the backward pass recorded)
+    finite    = |amax| < inf                       (false for NaN and inf)
+    history'  = [finite ? amax : 0, history[0], ..., history[L-2]]
+    window    = max(history')    ("max")   or   history'[0]    ("most_recent")
+    candidate = numerator / window, if window > 0 and finite and the quotient is
+                finite and > 0; else scale
+    scale'    = candidate if finite and amax > 0, else scale
+    scale_inv'= 1 / scale'
+    amax'     = 0
+
+The max of two amaxes is taken on their bit patterns (amaxes are >= 0 or NaN,
+and for those the int32 order is the float order with NaN above inf), so a NaN
+on either side survives on every backend. Divisions are IEEE round-to-nearest (`div.rn.f32`): Triton's own float32 `/`
+is an approximate division, which would make the scales differ from the same
+update computed by XLA on another platform. `close_steps_reference` is the same
+update in jnp, the definition the kernel matches bit for bit.
+
+Every role's arrays are passed as 1-D [n] (amax, scale) and 1-D [n * L]
+(history, row-major [n, L]); a meta stacked over n layers is one role with n
+rows. A launch carries at most `ROLES_PER_CALL` roles, keeping its pointer
+arguments (seven or eight per role) well inside the kernel parameter limit.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+ROLES_PER_CALL = 32
+
+
+def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
+                amax_compute_algo: str, other_amaxes=None, interpret: bool = False):
+  """Closes one delayed-scaling step for every role, in ceil(roles / 32) launches.
+
+  Args:
+    amaxes: list of float32[n_i], each role's step amax (n_i rows; 1 for an
+      unstacked role).
+    other_amaxes: optional second list like `amaxes`, max-combined with it first.
+    histories: list of float32[n_i * L], each role's amax history, row-major [n_i, L].
+    scales: list of float32[n_i], each role's current scale.
+    numerators: list of Python floats, `fmt_max / 2**margin` per role.
+    history_len: L.
+    amax_compute_algo: "max" or "most_recent".
+    interpret: run the Pallas interpreter (CPU).
+
+  Returns:
+    (scales, scale_invs, histories, amaxes): lists shaped like the inputs; the
+    amaxes are 0.
+  """
+  _check(amaxes, histories, scales, numerators, history_len, amax_compute_algo, other_amaxes)
+  outputs = ([], [], [], [])
+  for start in range(0, len(amaxes), ROLES_PER_CALL):
+    part = slice(start, start + ROLES_PER_CALL)
+    others = tuple(other_amaxes[part]) if other_amaxes is not None else ()
+    results = _close_call(tuple(amaxes[part]), others, tuple(histories[part]),
+                          tuple(scales[part]), tuple(float(v) for v in numerators[part]),
+                          history_len, amax_compute_algo, interpret)
+    for collected, produced in zip(outputs, results):
+      collected.extend(produced)
+  return outputs
+
+
+def close_steps_reference(amaxes, histories, scales, numerators, *, history_len: int,
+                          amax_compute_algo: str, other_amaxes=None):
+  """`close_steps` in plain jnp."""
+  _check(amaxes, histories, scales, numerators, history_len, amax_compute_algo, other_amaxes)
+  outputs = ([], [], [], [])
+  others = other_amaxes if other_amaxes is not None else [None] * len(amaxes)
+  for amax, other, history, scale, numerator in zip(amaxes, others, histories, scales,
+                                                    numerators):
+    if other is not None:
+      amax = amax_max(amax, other)
+    history = history.reshape(-1, history_len)
+    finite = jnp.abs(amax) < jnp.inf
+    recorded = jnp.where(finite, amax, 0.0)
+    history = jnp.concatenate([recorded[:, None], history[:, :history_len - 1]], axis=1)
+    window = jnp.max(history, axis=1) if amax_compute_algo == "max" else history[:, 0]
+    candidate = jnp.float32(numerator) / window
+    usable = ((jnp.abs(window) < jnp.inf) & (window > 0) & (jnp.abs(candidate) < jnp.inf) &
+              (candidate > 0))
+    new_scale = jnp.where(finite & (amax > 0), jnp.where(usable, candidate, scale), scale)
+    for collected, value in zip(outputs, (new_scale, 1.0 / new_scale, history.reshape(-1),
+                                          jnp.zeros_like(amax))):
+      collected.append(value)
+  return outputs
+
+
+def amax_max(a, b):
+  """max(a, b) of two amaxes (>= 0 or NaN) on their bit patterns: NaN wins on any backend."""
+  a_bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+  b_bits = jax.lax.bitcast_convert_type(b, jnp.int32)
+  return jax.lax.bitcast_convert_type(jnp.maximum(a_bits, b_bits), jnp.float32)
+
+
+def _check(amaxes, histories, scales, numerators, history_len, amax_compute_algo,
+           other_amaxes=None):
+  if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+    raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of "
+                     f"{AMAX_COMPUTE_ALGOS}.")
+  if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
+    raise ValueError(f"history_len={history_len!r} must be an integer >= 1.")
+  counts = {len(amaxes), len(histories), len(scales), len(numerators)}
+  if len(counts) != 1:
+    raise ValueError("amaxes, histories, scales and numerators must list the same roles; got "
+                     f"{len(amaxes)}, {len(histories)}, {len(scales)} and {len(numerators)}.")
+  if other_amaxes is not None and [jnp.shape(a) for a in other_amaxes] != [
+      jnp.shape(a) for a in amaxes]:
+    raise ValueError("other_amaxes must have the shapes of amaxes, role by role.")
+  for i, (amax, history, scale) in enumerate(zip(amaxes, histories, scales)):
+    rows = jnp.shape(amax)
+    if (len(rows) != 1 or jnp.shape(scale) != rows or
+        jnp.shape(history) != (rows[0] * history_len,)):
+      raise ValueError(
+          f"role {i}: amax {jnp.shape(amax)}, scale {jnp.shape(scale)} and history "
+          f"{jnp.shape(history)} must be [n], [n] and [n * {history_len}].")
+    for name, value in (("amax", amax), ("history", history), ("scale", scale)):
+      if jnp.result_type(value) != jnp.float32:
+        raise TypeError(f"role {i}: {name} must be float32, got {jnp.result_type(value)}.")
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _divide(numerator, denominator, interpret):
+  """IEEE float32 division (Triton's `/` is approximate on NVIDIA GPUs)."""
+  if interpret:
+    return numerator / denominator
+  numerator = jnp.broadcast_to(numerator, denominator.shape).astype(jnp.float32)
+  (quotient,) = plgpu.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[numerator, denominator], constraints="=r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(denominator.shape, jnp.float32)])
+  return quotient
+
+
+def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_scale_inv_ref,
+                out_history_ref, out_amax_ref, *, rows, numerator, history_len, algo, interpret):
+  rows_p = _next_power_of_two(rows)
+  cols_p = _next_power_of_two(history_len)
+  row = jax.lax.iota(jnp.int32, rows_p)
+  row_mask = row < rows
+  amax = plgpu.load(amax_ref.at[row], mask=row_mask, other=0.0)
+  if other_ref is not None:
+    amax = amax_max(amax, plgpu.load(other_ref.at[row], mask=row_mask, other=0.0))
+  scale = plgpu.load(scale_ref.at[row], mask=row_mask, other=1.0)
+  finite = jnp.abs(amax) < jnp.inf
+  recorded = jnp.where(finite, amax, 0.0)
+
+  # history'[r, c + 1] = history[r, c] for c < L - 1; history'[r, 0] = recorded[r].
+  row2 = jax.lax.broadcasted_iota(jnp.int32, (rows_p, cols_p), 0)
+  col2 = jax.lax.broadcasted_iota(jnp.int32, (rows_p, cols_p), 1)
+  kept_mask = (row2 < rows) & (col2 < history_len - 1)
+  kept = plgpu.load(history_ref.at[row2 * history_len + col2], mask=kept_mask, other=0.0)
+  plgpu.store(out_history_ref.at[row2 * history_len + col2 + 1], kept, mask=kept_mask)
+  plgpu.store(out_history_ref.at[row * history_len], recorded, mask=row_mask)
+
+  if algo == "max":
+    # Entries are finite and >= 0 (every recorded amax was), so 0 is neutral.
+    window = jnp.maximum(recorded, jnp.max(jnp.where(kept_mask, kept, 0.0), axis=1))
+  else:
+    window = recorded
+  candidate = _divide(jnp.float32(numerator), jnp.where(row_mask, window, 1.0), interpret)
+  usable = ((jnp.abs(window) < jnp.inf) & (window > 0) & (jnp.abs(candidate) < jnp.inf) &
+            (candidate > 0))
+  new_scale = jnp.where(finite & (amax > 0), jnp.where(usable, candidate, scale), scale)
+  scale_inv = _divide(jnp.float32(1.0), jnp.where(row_mask, new_scale, 1.0), interpret)
+  plgpu.store(out_scale_ref.at[row], new_scale, mask=row_mask)
+  plgpu.store(out_scale_inv_ref.at[row], scale_inv, mask=row_mask)
+  plgpu.store(out_amax_ref.at[row], jnp.zeros_like(amax), mask=row_mask)
+
+
+def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, has_other):
+  roles = len(row_counts)
+  groups = [refs[k * roles:(k + 1) * roles] for k in range(len(refs) // roles)]
+  if has_other:
+    amax_refs, other_refs, history_refs, scale_refs, *outs = groups
+  else:
+    (amax_refs, history_refs, scale_refs, *outs), other_refs = groups, [None] * roles
+  out_scale, out_scale_inv, out_history, out_amax = outs
+  for i in range(roles):
+    _close_role(amax_refs[i], other_refs[i], history_refs[i], scale_refs[i], out_scale[i],
+                out_scale_inv[i], out_history[i], out_amax[i], rows=row_counts[i],
+                numerator=numerators[i], history_len=history_len, algo=algo,
+                interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _close_call(amaxes, others, histories, scales, numerators, history_len, algo, interpret):
+  row_counts = tuple(int(a.shape[0]) for a in amaxes)
+  vector = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in amaxes]
+  out_shape = (*vector, *vector,
+               *[jax.ShapeDtypeStruct(h.shape, jnp.float32) for h in histories], *vector)
+  kernel = functools.partial(_close_kernel, row_counts=row_counts, numerators=numerators,
+                             history_len=history_len, algo=algo, interpret=interpret,
+                             has_other=bool(others))
+  flat = pl.pallas_call(
+      kernel, out_shape=out_shape, interpret=interpret, name="fp8_scale_update",
+      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+  )(*amaxes, *others, *histories, *scales)
+  roles = len(amaxes)
+  return tuple(list(flat[k * roles:(k + 1) * roles]) for k in range(4))

@@ -1,0 +1,128 @@
+"""The end-of-step scale update kernel (`pallas_kernels.close_steps`) against its jnp definition.
+
+Bitwise: the kernel and `close_steps_reference` do the same float32 operations
+(IEEE divisions, a max, selects), so every output must match bit for bit, in the
+Pallas interpreter on CPU. The reference itself is checked against the delayed
+scaling contract simulated in float64 (`tests/fp8_reference.py`). The hopper test
+compiles the kernel for an H100 and reads its PTX for the IEEE division.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8_reference import simulate_delayed_scaling
+from fp8jax import deviceless
+from pallas_kernels import amax_max, close_steps, close_steps_reference
+
+_MISSING = deviceless.deviceless_toolchain_missing()
+
+
+def _roles(rng, rows, history_len):
+  """Random roles: amaxes spanning many binades, with 0, NaN and inf among them."""
+  amaxes, histories, scales = [], [], []
+  for n in rows:
+    amax = (2.0 ** rng.uniform(-20, 20, n)).astype(np.float32)
+    special = rng.integers(0, 6, n)
+    amax[special == 0] = 0.0
+    amax[special == 1] = np.nan
+    amax[special == 2] = np.inf
+    amaxes.append(jnp.asarray(amax))
+    histories.append(jnp.asarray((2.0 ** rng.uniform(-10, 10, n * history_len)).astype(
+        np.float32)))
+    scales.append(jnp.asarray((2.0 ** rng.uniform(-8, 8, n)).astype(np.float32)))
+  return amaxes, histories, scales
+
+
+def _assert_bitwise(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("history_len", [1, 5, 16])
+def test_kernel_is_bitwise_equal_to_reference(algo, history_len):
+  rng = np.random.default_rng(history_len * 10 + (algo == "max"))
+  # Unstacked roles (1 row) and stacked ones (3 and 9 rows: not powers of two).
+  amaxes, histories, scales = _roles(rng, [1, 3, 1, 9], history_len)
+  others = [jnp.asarray((2.0 ** rng.uniform(-20, 20, a.shape[0])).astype(np.float32))
+            for a in amaxes]
+  numerators = [448.0, 57344.0 / 4, 448.0, 57344.0]
+  for other_amaxes in (None, others):
+    kwargs = dict(numerators=numerators, history_len=history_len, amax_compute_algo=algo,
+                  other_amaxes=other_amaxes)
+    got = close_steps(amaxes, histories, scales, interpret=True, **kwargs)
+    want = close_steps_reference(amaxes, histories, scales, **kwargs)
+    _assert_bitwise(got, want)
+
+
+def test_more_roles_than_one_launch_takes_are_all_updated():
+  rng = np.random.default_rng(7)
+  amaxes, histories, scales = _roles(rng, [1] * 40, 4)
+  kwargs = dict(numerators=[448.0] * 40, history_len=4, amax_compute_algo="max")
+  _assert_bitwise(close_steps(amaxes, histories, scales, interpret=True, **kwargs),
+                  close_steps_reference(amaxes, histories, scales, **kwargs))
+
+
+def test_reference_follows_the_delayed_scaling_contract():
+  # One role over several steps, against the float64 simulation of DESIGN.md's rule.
+  steps = [3.0, 0.0, np.nan, 7.5, np.inf, 1e-3, 2.0]
+  history_len, margin = 3, 1
+  want_scales, want_histories = simulate_delayed_scaling(steps + [1.0], history_len, "max",
+                                                         margin, 448.0)
+  history = jnp.zeros(history_len, jnp.float32)
+  scale = jnp.ones(1, jnp.float32)
+  for t, amax in enumerate(steps):
+    (scale,), (scale_inv,), (history,), (zero,) = close_steps_reference(
+        [jnp.full(1, amax, jnp.float32)], [history], [scale],
+        numerators=[448.0 / 2**margin], history_len=history_len, amax_compute_algo="max")
+    np.testing.assert_array_equal(np.asarray(history), np.float32(want_histories[t]))
+    assert float(scale[0]) == np.float32(want_scales[t + 1])
+    assert float(scale_inv[0]) == np.float32(1) / np.float32(want_scales[t + 1])
+    assert float(zero[0]) == 0.0
+
+
+def test_amax_max_keeps_nan_from_either_side():
+  a = jnp.asarray([1.0, np.nan, 2.0, 0.0], jnp.float32)
+  b = jnp.asarray([np.nan, 1.0, 3.0, 0.0], jnp.float32)
+  out = np.asarray(amax_max(a, b))
+  assert np.isnan(out[0]) and np.isnan(out[1]) and out[2] == 3.0 and out[3] == 0.0
+
+
+def test_mismatched_roles_raise_clear_errors():
+  one = [jnp.zeros(1, jnp.float32)]
+  with pytest.raises(ValueError, match="same roles"):
+    close_steps(one, one * 2, one, [448.0], history_len=1, amax_compute_algo="max")
+  with pytest.raises(ValueError, match="\\[n \\* 4\\]"):
+    close_steps(one, one, one, [448.0], history_len=4, amax_compute_algo="max")
+  with pytest.raises(ValueError, match="amax_compute_algo"):
+    close_steps(one, one, one, [448.0], history_len=1, amax_compute_algo="mean")
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_h100_compile_is_one_kernel_with_ieee_divisions(tmp_path):
+  """All roles in one Triton kernel, whose divisions are IEEE (`div.rn.f32`).
+
+  Triton's own float32 `/` compiles to the approximate `div.full.f32`; the
+  scales must be the same numbers XLA computes on any other platform.
+  """
+  spec = jax.ShapeDtypeStruct
+  roles = 6
+  amaxes = [spec((1,), jnp.float32)] * roles
+  histories = [spec((16,), jnp.float32)] * roles
+  compiled = deviceless.compile_for_h100(
+      lambda a, h, s: close_steps(a, h, s, [448.0] * roles, history_len=16,
+                                  amax_compute_algo="max"),
+      amaxes, histories, amaxes, dump_dir=str(tmp_path))
+  targets = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
+  assert targets.count("__gpu$xla.gpu.triton") == 1, targets
+  ptx = "\n".join(open(p).read() for p in glob.glob(os.path.join(tmp_path, "*.ptx")))
+  divisions = set(re.findall(r"\bdiv\.[\w.]+", ptx))
+  assert "div.rn.f32" in divisions and "div.full.f32" not in divisions, divisions
