@@ -15,7 +15,7 @@ from fp8jax.recipes import CurrentScaling, DelayedScaling
 from fp8jax.meta import (DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas,
                          resize_history)
 from fp8jax.quantize import amax, dequantize, quantize
-from fp8jax.scaling import begin_step, end_step, merge_step, scale_from_amax
+from fp8jax.scaling import begin_step, close_step, end_step, merge_step, scale_from_amax
 from fp8jax.dot import fp8_dot_general
 from fp8jax.dense import fp8_dense
 from fp8jax.einsum import fp8_einsum
@@ -30,7 +30,7 @@ __all__ = [
     "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta", "merge_stacked_metas",
     "resize_history",
     "amax", "dequantize", "quantize",
-    "begin_step", "end_step", "merge_step", "scale_from_amax",
+    "begin_step", "close_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",
     "accumulate_gradients", "value_and_grad",
     "all_reduce_amax",

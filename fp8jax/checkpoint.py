@@ -14,6 +14,12 @@ converted silently. To move FP8 state to another recipe, restore it with the
 recipes it was saved with (`keep_saved_recipes=True`) and convert it explicitly
 with `fp8jax.resize_history`.
 
+Versions: version 2 stores the four-field `Fp8Meta` (scale, scale_inv,
+amax_history, amax). Version 1 (fp8jax 0.1.0) stored scale and amax_history
+only; `restore` reads it into today's layout, with `scale_inv = 1 / scale` and a
+running amax of 0: exactly the state `end_step` would have returned, so
+training continues with the same scales.
+
 Completeness: orbax writes into `<path>.orbax-checkpoint-tmp*`, writes a
 `commit_success.txt` marker and only then renames the directory to `<path>`. A
 process killed while saving leaves the temporary directory and no `<path>`;
@@ -30,6 +36,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import recipes as recipes_module
@@ -37,7 +44,8 @@ from fp8jax.formats import E4M3, E5M2
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta
 
 FORMAT_NAME = "fp8jax.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 TMP_MARKER = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
 ITEMS = ("params", "opt_state", "fp8_state")
@@ -171,10 +179,10 @@ def read_description(directory: str | os.PathLike) -> dict:
       path, args=ocp.args.Composite(description=ocp.args.JsonRestore()))["description"]
   if not isinstance(description, dict) or description.get("format") != FORMAT_NAME:
     raise ValueError(f"directory={str(directory)!r} is not an fp8jax checkpoint.")
-  if description.get("version") != FORMAT_VERSION:
+  if description.get("version") not in READABLE_VERSIONS:
     raise ValueError(
         f"directory={str(directory)!r} has fp8jax checkpoint version "
-        f"{description.get('version')}, this fp8jax reads version {FORMAT_VERSION}.")
+        f"{description.get('version')}, this fp8jax reads versions {READABLE_VERSIONS}.")
   return description
 
 
@@ -211,6 +219,9 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
     fp8_state = _with_saved_recipes(fp8_state, description["fp8_metas"])
   else:
     _check_recipes(fp8_state, description["fp8_metas"])
+  legacy = description["version"] == 1
+  if legacy:
+    fp8_state = jax.tree.map(_to_version_1, fp8_state, is_leaf=is_meta)
   targets = {"params": params, "opt_state": opt_state, "fp8_state": fp8_state}
   for name in ITEMS:
     _check_arrays(name, targets[name], description["arrays"][name])
@@ -226,7 +237,36 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
         f"Could not read the arrays of checkpoint {str(directory)!r}: its files are "
         f"missing, cut short or corrupt (a partial copy?): {type(error).__name__}: "
         f"{error}") from error
+  if legacy:
+    restored["fp8_state"] = jax.tree.map(_from_version_1, restored["fp8_state"],
+                                         is_leaf=lambda n: isinstance(n, _MetaV1))
   return {name: restored[name] for name in ITEMS}
+
+
+@dataclasses.dataclass(frozen=True)
+class _MetaV1:
+  """The `Fp8Meta` of checkpoint version 1: its two array fields, same names."""
+
+  scale: Any
+  amax_history: Any
+  recipe: Any
+  fmt: Any
+
+
+jax.tree_util.register_dataclass(
+    _MetaV1, data_fields=["scale", "amax_history"], meta_fields=["recipe", "fmt"])
+
+
+def _to_version_1(meta: Fp8Meta) -> _MetaV1:
+  return _MetaV1(scale=meta.scale, amax_history=meta.amax_history, recipe=meta.recipe,
+                 fmt=meta.fmt)
+
+
+def _from_version_1(old: _MetaV1) -> Fp8Meta:
+  scale = jnp.asarray(old.scale)
+  # What end_step returns: the reciprocal it computes, and no step in progress.
+  return Fp8Meta(scale=scale, scale_inv=1.0 / scale, amax_history=old.amax_history,
+                 amax=jnp.zeros_like(scale), recipe=old.recipe, fmt=old.fmt)
 
 
 # tensorstore raises every failure as a ValueError whose message starts with the
@@ -294,11 +334,12 @@ def _with_saved_recipes(fp8_state: Any, saved: dict) -> Any:
     want = saved[key]
     # The saved shapes (the history length may differ from the target's), the
     # target's placement: restore reads each array straight onto its shardings.
+    def spec(field, shape):
+      return jax.ShapeDtypeStruct(tuple(shape), np.float32,
+                                  sharding=getattr(getattr(meta, field), "sharding", None))
     converted.append(Fp8Meta(
-        scale=jax.ShapeDtypeStruct(tuple(want["scale_shape"]), np.float32,
-                                   sharding=getattr(meta.scale, "sharding", None)),
-        amax_history=jax.ShapeDtypeStruct(tuple(want["history_shape"]), np.float32,
-                                          sharding=getattr(meta.amax_history, "sharding",
-                                                           None)),
+        scale=spec("scale", want["scale_shape"]), scale_inv=spec("scale_inv", want["scale_shape"]),
+        amax_history=spec("amax_history", want["history_shape"]),
+        amax=spec("amax", want["scale_shape"]),
         recipe=recipe_from_description(want["recipe"]), fmt=_FORMATS[want["fmt"]]))
   return jax.tree.unflatten(treedef, converted)

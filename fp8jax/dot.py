@@ -5,10 +5,22 @@ Backward: dx  = (q(g) . q(kernel)^T) / (s_g * s_kernel)          (dgrad GEMM)
           dk  = (q(x)^T . q(g)) / (s_x * s_g)                    (wgrad GEMM)
 
 with `q(t) = saturate(t * s_t)` in the role's FP8 format (E4M3 for x and
-kernel; E5M2 for the output gradient g under "hybrid"). Raw f8 arrays go into
-`lax.dot_general` with float32 accumulation and the scales are applied to the
-float32 product as scalars, which is the form XLA rewrites into the cuBLASLt
-FP8 GEMM on Hopper (DESIGN.md, lowering contract).
+kernel; E5M2 for the output gradient g under "hybrid"). The products
+accumulate in float32 and the two descales `1 / s` (stored in the meta as
+`scale_inv`) are applied to the float32 accumulator before the one rounding to
+the output dtype.
+
+What this compiles to on Hopper (the lean path, see `fp8jax.lowering.cost`):
+when the dot is a plain matrix product once reshaped (`fp8_dense`, the
+projections of `fp8_einsum`), each of x, kernel and g is quantized by one
+kernel that also writes its transposed FP8 copy and records its amax
+(`fp8jax.fused_quantize`), and the three GEMMs read those copies in the layout
+cuBLASLt's FP8 GEMM wants, so XLA adds no transpose. The same kernels also
+return each GEMM's combined descale, and each GEMM is one
+`__cublas$lt$matmul$f8` that applies it as its alpha and writes the output
+dtype straight from its float32 accumulator (`scaled_matmul_nt`): no kernel
+reads a GEMM's output before its consumer. Other dimension numbers (batch
+dims) take the general path, where XLA places the transposes.
 
 State: the function returns the meta with the amaxes of x and kernel recorded;
 the gradient role's amax is recorded in the cotangent of `meta` during the
@@ -20,16 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from fp8jax.fused_quantize import cast_transpose_amax, tensor_amax
+from pallas_kernels import amax_max
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import amax, quantize, quantize_with_meta, scale_for
-from fp8jax.scaling import record_amax
-from fp8jax.sharding import match_operand_axes
+from fp8jax.recipes import CurrentScaling
+from fp8jax.scaling import record_amax, scale_from_amax
+from fp8jax.sharding import global_amax, match_operand_axes
 from fp8jax.validation import check_floating
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -55,45 +70,57 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   check_dot_meta(meta, "meta")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
   x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
-  return _fp8_dot(x, kernel, meta, dims, jnp.dtype(kernel.dtype))
+  layout = matrix_layout(dims, x.shape, kernel.shape)
+  return _fp8_dot(x, kernel, meta, dims, jnp.dtype(kernel.dtype), layout)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_dot(x, kernel, meta, dims, kernel_dtype):
-  out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, dims)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_dot(x, kernel, meta, dims, kernel_dtype, layout):
+  out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, dims, layout)
   return out, new_meta
 
 
-def _fp8_dot_fwd_impl(x, kernel, meta, dims):
+def _fp8_dot_fwd_impl(x, kernel, meta, dims, layout):
+  if layout is not None:
+    return _matrix_fwd(x, kernel, meta, layout)
   qx, scale_x, meta_x = quantize_with_meta(x, meta.x)
   qk, scale_k, meta_k = quantize_with_meta(kernel, meta.kernel)
+  scale_inv_x, scale_inv_k = descale(meta.x, scale_x), descale(meta.kernel, scale_k)
   # Named scopes label the three GEMMs in HLO metadata (fp8jax.lowering reads them).
   with jax.named_scope("fp8_fprop"):
-    out = scaled_dot(qx, qk, scale_x, scale_k, dims, x.dtype)
+    out = scaled_dot(qx, qk, scale_inv_x, scale_inv_k, dims, x.dtype)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
-  residuals = (qx, qk, scale_x, scale_k, meta.grad)
+  residuals = (qx, qk, scale_inv_x, scale_inv_k, meta.grad)
   return out, new_meta, residuals
 
 
-def _fp8_dot_fwd(x, kernel, meta, dims, kernel_dtype):
-  out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, dims)
+def _fp8_dot_fwd(x, kernel, meta, dims, kernel_dtype, layout):
+  out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, dims, layout)
   return (out, new_meta), residuals
 
 
-def _fp8_dot_bwd(dims, kernel_dtype, residuals, cotangents):
-  qx, qk, scale_x, scale_k, grad_meta = residuals
+def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
   g, meta_cotangent = cotangents
+  if layout is not None:
+    dx, dk, grad_cotangent = _matrix_bwd(layout, residuals, g, meta_cotangent.grad,
+                                         kernel_dtype)
+    return dx, dk, dataclasses.replace(meta_cotangent, grad=grad_cotangent)
+
+  qx, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
   g_amax = amax(g)
   scale_g = scale_for(grad_meta, g_amax, like=g)
+  scale_inv_g = descale(grad_meta, scale_g)
   qg = quantize(g, scale_g, grad_meta.fmt)
 
   dgrad_dims, dgrad_perm = dgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
   with jax.named_scope("fp8_dgrad"):
-    dx = jnp.transpose(scaled_dot(qg, qk, scale_g, scale_k, dgrad_dims, g.dtype), dgrad_perm)
+    dx = jnp.transpose(scaled_dot(qg, qk, scale_inv_g, scale_inv_k, dgrad_dims, g.dtype),
+                       dgrad_perm)
 
   wgrad_dims, wgrad_perm = wgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
   with jax.named_scope("fp8_wgrad"):
-    dk = jnp.transpose(scaled_dot(qx, qg, scale_x, scale_g, wgrad_dims, kernel_dtype), wgrad_perm)
+    dk = jnp.transpose(scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype),
+                       wgrad_perm)
 
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, g_amax))
@@ -103,16 +130,164 @@ def _fp8_dot_bwd(dims, kernel_dtype, residuals, cotangents):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
-def scaled_dot(qa: jax.Array, qb: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
-               dims, out_dtype) -> jax.Array:
-  """`dot_general(qa, qb) / scale_a / scale_b` with f8 operands and a float32 product.
+# ----- The matrix path: x [.., K] . kernel [K, ..] as one 2-D GEMM ---------------------
 
-  The two descales are applied one after the other: their product alone can
-  leave float32's range (tiny scales of huge tensors underflow to 0, and 1/0
-  would turn an all-zero row into 0 * inf = NaN).
+
+@dataclasses.dataclass(frozen=True)
+class MatrixLayout:
+  """How a dot_general folds into `x2 [M, K] @ kernel2 [K, N]` (free reshapes only).
+
+  Attributes:
+    x_shape, kernel_shape: the operands' shapes.
+    n_contract: how many trailing x axes (leading kernel axes) are contracted.
+    m, k, n: the folded sizes.
+  """
+
+  x_shape: tuple[int, ...]
+  kernel_shape: tuple[int, ...]
+  n_contract: int
+  m: int
+  k: int
+  n: int
+
+  @property
+  def out_shape(self) -> tuple[int, ...]:
+    """dot_general's output shape: x's free axes, then the kernel's."""
+    return (self.x_shape[:len(self.x_shape) - self.n_contract] +
+            self.kernel_shape[self.n_contract:])
+
+
+def matrix_layout(dims, x_shape, kernel_shape) -> MatrixLayout | None:
+  """The `MatrixLayout` of `dims`, or None when the dot is not a plain matrix product.
+
+  That is the case when there are no batch dims, x contracts its trailing axes
+  and the kernel its leading axes in the same order: `fp8_dense`, and the
+  projections of `fp8_einsum` such as 'bsd,dhk->bshk' or 'bshk,hkd->bsd'.
+  """
+  (x_contract, k_contract), (x_batch, k_batch) = dims
+  n_contract = len(x_contract)
+  if x_batch or k_batch or n_contract == 0:
+    return None
+  if tuple(x_contract) != tuple(range(len(x_shape) - n_contract, len(x_shape))):
+    return None
+  if tuple(k_contract) != tuple(range(n_contract)):
+    return None
+  return MatrixLayout(x_shape=tuple(x_shape), kernel_shape=tuple(kernel_shape),
+                      n_contract=n_contract,
+                      m=math.prod(x_shape[:len(x_shape) - n_contract]),
+                      k=math.prod(kernel_shape[:n_contract]),
+                      n=math.prod(kernel_shape[n_contract:]))
+
+
+def _quantize_matrix(t, meta, like, partner_descales):
+  """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `meta` with t's amax.
+
+  Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
+  GPU). Current scaling needs t's amax before it can cast, so it is the
+  minimum of two passes: an amax pass, a scalar step for the scale, then the
+  cast pass, which also carries the running amax through.
+
+  Returns (q, q_t, scale_inv, products, new_meta), `products[i] = scale_inv *
+  partner_descales[i]` (capped at the float32 max): each GEMM's one descale.
+  """
+  if isinstance(meta.recipe, CurrentScaling):
+    t_amax = tensor_amax(t)
+    scale = scale_from_amax(global_amax(t_amax, like), meta.fmt, meta.recipe.margin,
+                            fallback=meta.scale)
+    scale_inv = 1.0 / scale
+    running = amax_max(meta.amax, t_amax)
+  else:
+    scale, scale_inv, running = meta.scale, meta.scale_inv, meta.amax
+  q, q_t, running, products = cast_transpose_amax(
+      t, scale, running, meta.fmt,
+      descale=scale_inv if partner_descales is not None else None,
+      partner_descales=partner_descales)
+  return q, q_t, scale_inv, products, dataclasses.replace(meta, amax=running)
+
+
+def _matrix_fwd(x, kernel, meta, layout):
+  x2 = x.reshape(layout.m, layout.k)
+  k2 = kernel.reshape(layout.k, layout.n)
+  qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None)
+  qx, qx_t, scale_inv_x, (fprop_descale,), meta_x = _quantize_matrix(x2, meta.x, x,
+                                                                     (scale_inv_k,))
+  with jax.named_scope("fp8_fprop"):
+    out = scaled_matmul_nt(qx, qk_t, fprop_descale, x.dtype)
+  out = out.reshape(layout.out_shape)
+  new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
+  # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad).
+  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad)
+  return out, new_meta, residuals
+
+
+def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
+  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
+  g2 = g.reshape(layout.m, layout.n)
+  # The grad role's scale is the forward state's; its amax goes to the cotangent.
+  with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
+  qg, qg_t, _, (dgrad_descale, wgrad_descale), recorded = _quantize_matrix(
+      g2, with_running, g, (scale_inv_k, scale_inv_x))
+  with jax.named_scope("fp8_dgrad"):
+    dx = scaled_matmul_nt(qg, qk, dgrad_descale, g.dtype)
+  with jax.named_scope("fp8_wgrad"):
+    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, kernel_dtype)
+  dx = dx.reshape(layout.x_shape)
+  dk = dk.reshape(layout.kernel_shape)
+  return dx, dk, dataclasses.replace(grad_cotangent, amax=recorded.amax)
+
+
+# ----- GEMMs with their descales -----------------------------------------------------
+
+
+def descale(meta, scale):
+  """The descale `1 / scale` of a quantization: the stored one when `scale` is the meta's."""
+  if isinstance(meta.recipe, CurrentScaling):
+    return 1.0 / scale
+  return meta.scale_inv
+
+
+def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype) -> jax.Array:
+  """`(qa @ qb.T) * descale` in `out_dtype`; qa [P, C], qb [Q, C] FP8, descale float32[].
+
+  `descale` is the product of the two operands' `scale_inv` (capped at the
+  float32 max, so a zero row stays 0). Both operands contract their last
+  (innermost) dim, the layout cuBLASLt's FP8 GEMM reads on Hopper, so XLA adds
+  no transpose.
+
+  On a GPU the product is a raw-FP8 dot with an `out_dtype` result times the
+  scalar: XLA rewrites that into ONE `__cublas$lt$matmul$f8` with the descale
+  as its alpha and `out_dtype` written from the float32 accumulator, and with
+  XLA's default flags the autotuner can only choose between FP8 kernels (a
+  dot of dequantized bf16 operands would let it pick a bf16 Triton GEMM).
+  Elsewhere the dot accumulates in float32, is multiplied by the descale in
+  float32 and rounded once.
+  """
+  out_dtype = jnp.dtype(out_dtype)
+  dims = (((1,), (1,)), ((), ()))
+
+  def cublaslt_fp8(qa, qb, descale):
+    product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=out_dtype)
+    return product * descale.astype(out_dtype)
+
+  def float32_product(qa, qb, descale):
+    product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+    return (product * descale).astype(out_dtype)
+
+  return jax.lax.platform_dependent(qa, qb, descale, cuda=cublaslt_fp8,
+                                    default=float32_product)
+
+
+def scaled_dot(qa: jax.Array, qb: jax.Array, scale_inv_a: jax.Array, scale_inv_b: jax.Array,
+               dims, out_dtype) -> jax.Array:
+  """`dot_general(qa, qb) * scale_inv_a * scale_inv_b` with f8 operands, in `out_dtype`.
+
+  The general path (batch dims): the f8 dot accumulates in float32 and the
+  descales are applied one after the other, in float32, then the result is
+  rounded once. Applying them one at a time keeps the result finite where their
+  product would leave float32's range (tiny scales of huge tensors).
   """
   product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
-  return (product * (1.0 / scale_a) * (1.0 / scale_b)).astype(out_dtype)
+  return (product * scale_inv_a * scale_inv_b).astype(out_dtype)
 
 
 def normalize_dimension_numbers(dimension_numbers, x_shape, kernel_shape):

@@ -1,17 +1,23 @@
 """`Fp8Meta`: the explicit per-tensor FP8 state, and containers of it.
 
 An `Fp8Meta` is one tensor role's state: the `scale` multiplied in before the
-cast to FP8 and the `amax_history` ring buffer (newest first). It is a pytree
-whose leaves are those two float32 arrays; the recipe and the FP8 format are
-static (part of the tree structure), so they are fixed under `jit` and cannot
-be mixed up between layers.
+cast to FP8, its reciprocal `scale_inv` that the GEMM applies to its product,
+the `amax_history` of the last L closed steps (newest first) and `amax`, the
+running amax of the step in progress. It is a pytree whose leaves are those four
+float32 arrays; the recipe and the FP8 format are static (part of the tree
+structure), so they are fixed under `jit` and cannot be mixed up between layers.
 
 `DotMeta` groups the three roles of one FP8 matmul: the input `x`, the `kernel`
 (forward, E4M3) and the output gradient `grad` (backward, E5M2 under "hybrid").
 
-Within a training step `amax_history[0]` is the step's running amax: it starts
-at 0 (see `fp8jax.begin_step`) and every use of the meta takes the max of it
-and the amax that use saw. `fp8jax.end_step` turns it into the next scale.
+Within a training step `amax` is the step's running amax: it is 0 when the
+step opens and every use of the meta takes the max of it and the amax that use
+saw (one scalar max, no other work on the state). `fp8jax.end_step` pushes it
+into the history and computes the next `scale` and `scale_inv`, for all roles
+of a model at once. Keeping the running amax apart from the history and the
+reciprocal scale stored is what keeps the per-op state work O(1) (see
+`fp8jax.scaling`); checkpoints of the earlier two-field layout are converted
+on restore (`fp8jax.checkpoint`).
 """
 from __future__ import annotations
 
@@ -32,19 +38,34 @@ class Fp8Meta:
 
   Attributes:
     scale: float32[] (or float32[n] when stacked over layers). `q = x * scale`.
-    amax_history: float32[L] (or [n, L] stacked), newest amax first.
+    scale_inv: float32 like `scale`, always `1 / scale`: the GEMM's descale.
+    amax_history: float32[L] (or [n, L] stacked): the amaxes of the last L closed
+      steps, newest first.
+    amax: float32 like `scale`: the running amax of the step in progress (0
+      between steps).
     recipe: static; the scaling recipe this state follows.
     fmt: static; the FP8 format this role is cast to.
+
+  Change `scale` only through `with_scale`, which keeps `scale_inv` in step.
   """
 
   scale: jax.Array
+  scale_inv: jax.Array
   amax_history: jax.Array
+  amax: jax.Array
   recipe: Recipe
   fmt: Fp8Format
 
+  def with_scale(self, scale: jax.Array) -> "Fp8Meta":
+    """This meta with `scale` and its reciprocal `scale_inv = 1 / scale` replaced."""
+    scale = jnp.asarray(scale, jnp.float32)
+    return dataclasses.replace(self, scale=scale, scale_inv=1.0 / scale)
+
+
+DATA_FIELDS = ("scale", "scale_inv", "amax_history", "amax")
 
 jax.tree_util.register_dataclass(
-    Fp8Meta, data_fields=["scale", "amax_history"], meta_fields=["recipe", "fmt"])
+    Fp8Meta, data_fields=list(DATA_FIELDS), meta_fields=["recipe", "fmt"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +86,14 @@ jax.tree_util.register_dataclass(
 
 
 def init_meta(recipe: Recipe, fmt: Fp8Format) -> Fp8Meta:
-  """A fresh role state: scale 1 and an all-zero amax history of the recipe's length."""
+  """A fresh role state: scale 1, an all-zero amax history of the recipe's length, amax 0."""
   check_recipe(recipe)
   check_format(fmt, "fmt")
   return Fp8Meta(
       scale=jnp.ones((), jnp.float32),
+      scale_inv=jnp.ones((), jnp.float32),
       amax_history=jnp.zeros((recipe.history_len,), jnp.float32),
+      amax=jnp.zeros((), jnp.float32),
       recipe=recipe,
       fmt=fmt)
 
@@ -113,8 +136,9 @@ def merge_stacked_metas(fp8_state, axis: int = 0):
     The same structure without that axis.
   """
   def merge(meta: Fp8Meta) -> Fp8Meta:
-    return dataclasses.replace(meta, scale=jnp.min(meta.scale, axis=axis),
-                               amax_history=jnp.max(meta.amax_history, axis=axis))
+    merged = dataclasses.replace(meta, amax_history=jnp.max(meta.amax_history, axis=axis),
+                                 amax=jnp.max(meta.amax, axis=axis))
+    return merged.with_scale(jnp.min(meta.scale, axis=axis))
   return map_metas(merge, fp8_state)
 
 
@@ -147,16 +171,17 @@ def check_role_meta(meta: Any, argname: str) -> None:
   if not isinstance(meta, Fp8Meta):
     raise TypeError(f"{argname} must be a fp8jax.Fp8Meta, got {type(meta).__name__}.")
   history_len = meta.recipe.history_len
-  if jnp.shape(meta.scale) != ():
-    raise ValueError(
-        f"{argname}.scale has shape {jnp.shape(meta.scale)}, expected a scalar (). "
-        "A meta stacked over layers must be sliced per layer (jax.lax.scan / nn.scan).")
+  for field in ("scale", "scale_inv", "amax"):
+    if jnp.shape(getattr(meta, field)) != ():
+      raise ValueError(
+          f"{argname}.{field} has shape {jnp.shape(getattr(meta, field))}, expected a scalar "
+          "(). A meta stacked over layers must be sliced per layer (jax.lax.scan / nn.scan).")
   if jnp.shape(meta.amax_history) != (history_len,):
     raise ValueError(
         f"{argname}.amax_history has shape {jnp.shape(meta.amax_history)}, but its "
         f"recipe {meta.recipe} keeps a history of length {history_len}. Re-create the "
         "meta with fp8jax.init_dot_meta(recipe) or convert it with fp8jax.resize_history.")
-  for field in ("scale", "amax_history"):
+  for field in DATA_FIELDS:
     dtype = jnp.result_type(getattr(meta, field))
     if dtype != jnp.float32:
       raise TypeError(f"{argname}.{field} must be float32, got {dtype}.")

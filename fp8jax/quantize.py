@@ -37,8 +37,16 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 
 def amax(x: jax.Array) -> jax.Array:
-  """float32[] absolute maximum of `x` (NaN if `x` holds a NaN)."""
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+  """float32[] absolute maximum of `x` (NaN if `x` holds a NaN).
+
+  Reduced as an int32 max over the bit patterns of |x| in float32: for
+  non-negative floats they order like the values and every NaN sorts above
+  inf, so the result is exact and keeps NaN on every backend (XLA's float max
+  reduction on CPU drops NaN for larger arrays), and it is what the fused GPU
+  kernel computes.
+  """
+  bits = jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32)
+  return jax.lax.bitcast_convert_type(jnp.max(bits, initial=0), jnp.float32)
 
 
 def quantize_with_meta(x: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, jax.Array, Fp8Meta]:

@@ -2,14 +2,24 @@
 
 Per role and per step t (DESIGN numerics contract):
 
-1. `begin_step`: the history rolls by one and its newest slot `amax_history[0]`
-   opens at 0. The scale used during step t is the stored `scale`, which was
-   computed from the history *before* step t.
-2. Each use of the meta during the step records `max(amax_history[0], amax)`.
-3. `end_step`: a non-finite step amax is recorded as 0 (no usable observation),
-   then `amax = max(history)` ("max") or `history[0]` ("most_recent") and
-   `scale = fp8_max / amax / 2**margin`. If the step's amax was 0, inf or NaN,
+1. The step opens with the running amax `meta.amax` at 0 (`fp8jax.begin_step`,
+   or the state `end_step` returned). The scale used during step t is the
+   stored `scale`, computed from the history of the steps *before* t.
+2. Each use of the meta during the step records `amax = max(amax, amax of x)`:
+   one scalar max, the only work an FP8 op does on its state.
+3. `end_step` closes the step for every role of the model at once: a
+   non-finite step amax is recorded as 0 (no usable observation) and pushed as
+   the newest history entry (the oldest drops out), then
+   `window = max(history)` ("max") or `history[0]` ("most_recent") and
+   `scale = fp8_max / window / 2**margin`. If the step's amax was 0, inf or NaN,
    or the result is not a finite positive number, the old scale is kept.
+   `scale_inv = 1 / scale` and the running amax returns to 0.
+
+On a GPU `end_step` runs as one kernel per recipe (per 32 roles) that reads
+and writes every role's arrays directly (`pallas_kernels.close_steps`); XLA on
+its own compiles the same update into a few kernels *per role*, because it does
+not fuse independent small outputs into one launch. Elsewhere the update is
+the same arithmetic in jnp, bit for bit.
 """
 from __future__ import annotations
 
@@ -18,8 +28,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from fp8jax.kernel_choice import kernels_allowed
 from fp8jax.formats import Fp8Format
-from fp8jax.meta import Fp8Meta, check_fp8_state, map_metas
+from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta, map_metas
 from fp8jax.validation import check_format, check_int
 
 
@@ -38,49 +50,26 @@ def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
   """
   check_format(fmt, "fmt")
   check_int("margin", margin, minimum=0)
+  return _scale_from_amax(amax, jnp.float32(fmt.max / 2.0**margin), fallback)
+
+
+def _scale_from_amax(amax, numerator, fallback):
   amax = jnp.asarray(amax, jnp.float32)
-  scale = jnp.float32(fmt.max / 2.0**margin) / amax
+  scale = numerator / amax
   usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
   return jnp.where(usable, scale, fallback)
 
 
-def _with_newest(history, value) -> jax.Array:
-  """`history` (any array type, stacked too) with its newest slot set to `value`."""
-  return jnp.asarray(history).at[..., 0].set(value)
-
-
 def record_amax(meta: Fp8Meta, amax: jax.Array) -> Fp8Meta:
   """Takes the max of the step's running amax and `amax` (NaN propagates until end_step)."""
-  running = jnp.maximum(meta.amax_history[..., 0], amax)
-  return dataclasses.replace(meta, amax_history=_with_newest(meta.amax_history, running))
-
-
-def _open_step(meta: Fp8Meta) -> Fp8Meta:
-  history = _with_newest(jnp.roll(meta.amax_history, 1, axis=-1), 0.0)
-  return dataclasses.replace(meta, amax_history=history)
-
-
-def _close_step(meta: Fp8Meta) -> Fp8Meta:
-  step_amax = meta.amax_history[..., 0]
-  step_amax_finite = jnp.isfinite(step_amax)
-  history = _with_newest(meta.amax_history, jnp.where(step_amax_finite, step_amax, 0.0))
-  if meta.recipe.amax_compute_algo == "max":
-    window_amax = jnp.max(history, axis=-1)
-  else:
-    window_amax = history[..., 0]
-  new_scale = scale_from_amax(window_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale)
-  keep_old = ~step_amax_finite | (step_amax <= 0)
-  scale = jnp.where(keep_old, meta.scale, new_scale)
-  return dataclasses.replace(meta, scale=scale, amax_history=history)
-
-
-def _merge(forward: Fp8Meta, cotangent: Fp8Meta) -> Fp8Meta:
-  running = jnp.maximum(forward.amax_history[..., 0], cotangent.amax_history[..., 0])
-  return dataclasses.replace(forward, amax_history=_with_newest(forward.amax_history, running))
+  return dataclasses.replace(meta, amax=pallas_kernels.amax_max(meta.amax, amax))
 
 
 def begin_step(fp8_state):
-  """Opens a step for every `Fp8Meta` in `fp8_state` (roll history, newest slot = 0).
+  """Opens a step for every `Fp8Meta` in `fp8_state`: each running amax starts at 0.
+
+  `end_step` already leaves the running amaxes at 0, so a state that came out of
+  `end_step` (or `init_dot_meta`) is open as it is; this makes any state so.
 
   Args:
     fp8_state: any pytree holding `Fp8Meta` nodes (stacked ones too).
@@ -89,20 +78,87 @@ def begin_step(fp8_state):
     The same structure, ready to record this step's amaxes.
   """
   check_fp8_state(fp8_state, "fp8_state")
-  return map_metas(_open_step, fp8_state)
+  return map_metas(lambda m: dataclasses.replace(m, amax=jnp.zeros_like(m.amax)), fp8_state)
+
+
+def close_step(forward_state, cotangent_state):
+  """`end_step(merge_step(forward_state, cotangent_state))`, with the merge inside the update.
+
+  What `fp8jax.value_and_grad` runs at the end of a step: the max of what the
+  forward and the backward pass recorded is taken in the same fused update,
+  so the merge adds no kernel per role.
+  """
+  check_fp8_state(forward_state, "forward_state")
+  check_fp8_state(cotangent_state, "cotangent_state")
+  _check_same_structure(forward_state, cotangent_state)
+  return _end_step(forward_state, cotangent_state)
 
 
 def end_step(fp8_state):
-  """Closes a step: sanitizes the step's amax and computes each role's next scale.
+  """Closes a step: pushes each role's step amax into its history and computes its next scale.
+
+  All roles that share a recipe are updated together as one vector (stacked
+  metas too), so the compiled update does not grow with the number of layers.
 
   Args:
-    fp8_state: pytree of `Fp8Meta` whose newest history slot holds the step's amax.
+    fp8_state: pytree of `Fp8Meta` whose `amax` holds the step's amax.
 
   Returns:
-    The same structure with finite histories and the scales for the next step.
+    The same structure with finite histories, the scales (and reciprocals) for
+    the next step, and running amaxes at 0.
   """
   check_fp8_state(fp8_state, "fp8_state")
-  return map_metas(_close_step, fp8_state)
+  return _end_step(fp8_state, None)
+
+
+def _end_step(fp8_state, cotangent_state):
+  metas, treedef = jax.tree.flatten(fp8_state, is_leaf=is_meta)
+  others = (jax.tree.leaves(cotangent_state, is_leaf=is_meta) if cotangent_state is not None
+            else [None] * len(metas))
+  by_recipe: dict = {}
+  for index, meta in enumerate(metas):
+    by_recipe.setdefault(meta.recipe, []).append(index)
+  closed = list(metas)
+  for recipe, indices in by_recipe.items():
+    group = _close_together([metas[i] for i in indices], [others[i] for i in indices], recipe)
+    for index, meta in zip(indices, group):
+      closed[index] = meta
+  return jax.tree.unflatten(treedef, closed)
+
+
+def _close_together(metas, cotangents, recipe):
+  """`end_step` for metas that share `recipe`: one fused update on a GPU (see
+  `pallas_kernels.close_steps`), the same arithmetic in jnp elsewhere."""
+  amaxes = [jnp.ravel(m.amax) for m in metas]
+  histories = [jnp.ravel(m.amax_history) for m in metas]
+  scales = [jnp.ravel(m.scale) for m in metas]
+  other_amaxes = ([jnp.ravel(c.amax) for c in cotangents] if cotangents[0] is not None
+                  else None)
+  numerators = [m.fmt.max / 2.0**recipe.margin for m in metas]
+  options = dict(numerators=numerators, history_len=recipe.history_len,
+                 amax_compute_algo=recipe.amax_compute_algo)
+
+  def kernel(amaxes, other_amaxes, histories, scales):
+    return pallas_kernels.close_steps(amaxes, histories, scales, other_amaxes=other_amaxes,
+                                      **options)
+
+  def reference(amaxes, other_amaxes, histories, scales):
+    return pallas_kernels.close_steps_reference(amaxes, histories, scales,
+                                                other_amaxes=other_amaxes, **options)
+
+  args = (amaxes, other_amaxes, histories, scales)
+  if kernels_allowed(args):
+    results = jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
+  else:
+    results = reference(*args)
+  new_scales, scale_invs, new_histories, new_amaxes = results
+  return [dataclasses.replace(
+      meta, scale=scale.reshape(jnp.shape(meta.scale)),
+      scale_inv=scale_inv.reshape(jnp.shape(meta.scale)),
+      amax_history=history.reshape(jnp.shape(meta.amax_history)),
+      amax=amax.reshape(jnp.shape(meta.amax)))
+      for meta, scale, scale_inv, history, amax
+      in zip(metas, new_scales, scale_invs, new_histories, new_amaxes)]
 
 
 def merge_step(forward_state, cotangent_state):
@@ -110,13 +166,19 @@ def merge_step(forward_state, cotangent_state):
 
   Forward roles (x, kernel) record their amax in the state the forward pass
   returns; gradient roles record theirs in the cotangent of the input state.
-  Each side holds 0 for the roles it did not see, so a max per slot merges them.
+  Each side holds 0 for the roles it did not see, so a max per role merges them.
   """
   check_fp8_state(forward_state, "forward_state")
   check_fp8_state(cotangent_state, "cotangent_state")
+  _check_same_structure(forward_state, cotangent_state)
+  return map_metas(lambda f, c: dataclasses.replace(f, amax=pallas_kernels.amax_max(f.amax,
+                                                                                     c.amax)),
+                   forward_state, cotangent_state)
+
+
+def _check_same_structure(forward_state, cotangent_state) -> None:
   if jax.tree.structure(forward_state) != jax.tree.structure(cotangent_state):
     raise ValueError(
         "forward_state and cotangent_state must have the same structure (the state the "
         "forward pass returned and the gradient with respect to the state it was given); "
         f"got {jax.tree.structure(forward_state)} and {jax.tree.structure(cotangent_state)}.")
-  return map_metas(_merge, forward_state, cotangent_state)

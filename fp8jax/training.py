@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.meta import check_fp8_state
-from fp8jax.scaling import begin_step, end_step, merge_step
+from fp8jax.scaling import begin_step, close_step, end_step, merge_step
 from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
 
 
@@ -56,8 +56,12 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
   def wrapped(params, fp8_state, *args):
     check_fp8_state(fp8_state, "fp8_state")
     state = _open(fp8_state, (params, args))
-    value, grads, state = _differentiate(loss_fn, has_aux, params, state, args)
-    return value, grads, _close(state, axis_name)
+    value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state, args)
+    # The forward pass recorded x and kernel amaxes, the backward pass gradient
+    # amaxes; the step's update takes their max itself (no kernel per role).
+    if axis_name is not None or varying_axes((forward, cotangent)):
+      forward, cotangent = all_reduce_amax((forward, cotangent), axis_name)
+    return value, grads, close_step(forward, cotangent)
 
   return wrapped
 
@@ -100,7 +104,9 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
 
   def one_microbatch(carry, batch):
     grad_sum, state = carry
-    value, grads, state = _differentiate(loss_fn, has_aux, params, state, (batch,))
+    value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state,
+                                                        (batch,))
+    state = merge_step(forward, cotangent)
     grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
     return (grad_sum, state), value
 
@@ -137,7 +143,11 @@ def _check_loss_fn(loss_fn) -> None:
 
 
 def _differentiate(loss_fn, has_aux, params, state, args):
-  """Forward + backward inside an open step; returns the merged in-step state."""
+  """Forward + backward inside an open step.
+
+  Returns (value, grads, (forward_state, state_cotangent)): what the forward and
+  the backward pass recorded, to be merged by max.
+  """
 
   def split_loss(p, s):
     returned = loss_fn(p, s, *args)
@@ -158,7 +168,7 @@ def _differentiate(loss_fn, has_aux, params, state, args):
 
   (_, (value, forward_state)), (grads, state_cotangent) = jax.value_and_grad(
       split_loss, argnums=(0, 1), has_aux=True)(params, state)
-  return value, grads, merge_step(forward_state, state_cotangent)
+  return value, grads, (forward_state, state_cotangent)
 
 
 def _check_same_structure(given, returned) -> None:

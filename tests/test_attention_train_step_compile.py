@@ -42,8 +42,10 @@ def test_fp8_attention_train_step_compiles_for_h100_with_hopper_forward_and_pall
     ptx = "\n".join(open(p).read() for p in glob.glob(os.path.join(dump, "*.ptx")))
   hlo = compiled.as_text()
   targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-  # One Hopper FP8 forward kernel (Mosaic GPU) and the dK/dV and dQ backward kernels.
+  # One Hopper FP8 forward kernel (Mosaic GPU), the dK/dV and dQ backward kernels
+  # and the end-of-step scale update of the attention's FP8 state.
   assert sum(t.startswith("mosaic_gpu") for t in targets) == 1, targets
-  assert targets.count("__gpu$xla.gpu.triton") == 2, targets
+  assert targets.count("__gpu$xla.gpu.triton") == 3, targets
+  assert "fp8_scale_update" in hlo
   # The backward kernels run on Hopper tensor cores in bf16.
   assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx)

@@ -127,7 +127,8 @@ def test_other_history_length_converts_only_through_resize_history(tmp_path):
 
 def test_resize_history_keeps_newest_entries_of_stacked_metas():
   history = jnp.arange(1.0, 9.0).reshape(2, 4)  # two layers, newest first
-  stacked = fp8jax.Fp8Meta(jnp.array([2.0, 3.0]), history, RECIPE, fp8jax.E4M3)
+  scale = jnp.array([2.0, 3.0])
+  stacked = fp8jax.Fp8Meta(scale, 1 / scale, history, jnp.zeros(2), RECIPE, fp8jax.E4M3)
   short = fp8jax.resize_history(stacked, fp8jax.DelayedScaling(amax_history_len=2))
   np.testing.assert_array_equal(short.amax_history, [[1.0, 2.0], [5.0, 6.0]])
   np.testing.assert_array_equal(short.scale, [2.0, 3.0])

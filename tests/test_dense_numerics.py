@@ -44,7 +44,7 @@ def _warm_meta(recipe, x, kernel, g):
   for role, t in (("x", x), ("kernel", kernel), ("grad", g)):
     r = getattr(meta, role)
     scale = fp8jax.scale_from_amax(fp8jax.amax(t), r.fmt, recipe.margin, r.scale)
-    meta = dataclasses.replace(meta, **{role: dataclasses.replace(r, scale=scale)})
+    meta = dataclasses.replace(meta, **{role: r.with_scale(scale)})
   return meta
 
 

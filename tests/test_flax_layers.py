@@ -200,7 +200,7 @@ def test_nnx_fp8_linear_matches_pure_function_and_splits_out_its_state():
   (loss, grads, state), params, fp8_state = _nnx_step(model, x, target)
   # The optimizer's tree (nnx.Param) holds no FP8 state.
   assert [leaf.shape for leaf in jax.tree.leaves(params)] == [(8,), (16, 8)]
-  assert len(jax.tree.leaves(fp8_state)) == 6  # 3 roles x (scale, history)
+  assert len(jax.tree.leaves(fp8_state)) == 12  # 3 roles x (scale, scale_inv, history, amax)
 
   want_loss, want_grads, want_state = _pure_dense_step(
       {"kernel": model.kernel.get_value(), "bias": model.bias.get_value()}, x, target)
