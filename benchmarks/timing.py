@@ -35,11 +35,12 @@ def median_seconds(fn, *args, warmup: int = 3, repeats: int = 20, calls_per_samp
 
 
 def environment() -> dict:
-  """Device and software versions, recorded with every result."""
+  """Device and software versions, and the command line, recorded with every result."""
   device = jax.devices()[0]
+  script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
   return {"device": getattr(device, "device_kind", str(device)), "platform": device.platform,
           "jax_version": jax.__version__, "python": platform.python_version(),
-          "command": " ".join(sys.argv)}
+          "command": " ".join([f"python -m benchmarks.{script}", *sys.argv[1:]])}
 
 
 def write_report(report: dict, path: str | None) -> None:

@@ -38,13 +38,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from fp8jax import weight_reuse
 from fp8jax.fused_quantize import cast_transpose_amax, tensor_amax
 from pallas_kernels import amax_max
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import amax, quantize, quantize_with_meta, scale_for
 from fp8jax.recipes import CurrentScaling
 from fp8jax.scaling import record_amax, scale_from_amax
-from fp8jax.sharding import global_amax, match_operand_axes
+from fp8jax.sharding import global_amax, match_operand_axes, varying_axes
 from fp8jax.validation import check_floating
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -69,20 +70,40 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   check_floating(kernel, "kernel")
   check_dot_meta(meta, "meta")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
-  x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
   layout = matrix_layout(dims, x.shape, kernel.shape)
-  return _fp8_dot(x, kernel, meta, dims, jnp.dtype(kernel.dtype), layout)
+  reused = _reused_kernel(kernel, meta.kernel, layout) if not varying_axes(x, kernel) else None
+  x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
+  return _fp8_dot(x, kernel, meta, reused, dims, jnp.dtype(kernel.dtype), layout)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fp8_dot(x, kernel, meta, dims, kernel_dtype, layout):
-  out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, dims, layout)
+def _reused_kernel(kernel, meta, layout):
+  """The kernel's FP8 copies from earlier in the step, under `fp8jax.weight_reuse`; or None.
+
+  While collecting, the kernel is quantized here, outside the op's custom VJP,
+  so that its arrays belong to the trace that will reuse them.
+  """
+  cache = weight_reuse.current()
+  if cache is None or layout is None:
+    return None
+  if not cache.collecting:
+    return cache.take(kernel, meta)
+  fresh = dataclasses.replace(meta, amax=jnp.zeros_like(meta.amax))
+  q, q_t, scale_inv, _, quantized = _quantize_matrix(
+      kernel.reshape(layout.k, layout.n), fresh, kernel, None)
+  arrays = (q, q_t, quantized.amax, scale_inv)
+  cache.add(weight_reuse.primal(kernel), meta, arrays)
+  return arrays
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_dot(x, kernel, meta, reused, dims, kernel_dtype, layout):
+  out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
   return out, new_meta
 
 
-def _fp8_dot_fwd_impl(x, kernel, meta, dims, layout):
+def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
   if layout is not None:
-    return _matrix_fwd(x, kernel, meta, layout)
+    return _matrix_fwd(x, kernel, meta, reused, layout)
   qx, scale_x, meta_x = quantize_with_meta(x, meta.x)
   qk, scale_k, meta_k = quantize_with_meta(kernel, meta.kernel)
   scale_inv_x, scale_inv_k = descale(meta.x, scale_x), descale(meta.kernel, scale_k)
@@ -94,17 +115,20 @@ def _fp8_dot_fwd_impl(x, kernel, meta, dims, layout):
   return out, new_meta, residuals
 
 
-def _fp8_dot_fwd(x, kernel, meta, dims, kernel_dtype, layout):
-  out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, dims, layout)
-  return (out, new_meta), residuals
+def _fp8_dot_fwd(x, kernel, meta, reused, dims, kernel_dtype, layout):
+  out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
+  # The reused FP8 copies are not differentiated (the kernel's gradient is dk).
+  return (out, new_meta), (residuals, jax.tree.map(jnp.zeros_like, reused))
 
 
-def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
+def _fp8_dot_bwd(dims, kernel_dtype, layout, saved, cotangents):
+  residuals, reused_cotangent = saved
   g, meta_cotangent = cotangents
   if layout is not None:
     dx, dk, grad_cotangent = _matrix_bwd(layout, residuals, g, meta_cotangent.grad,
                                          kernel_dtype)
-    return dx, dk, dataclasses.replace(meta_cotangent, grad=grad_cotangent)
+    return (dx, dk, dataclasses.replace(meta_cotangent, grad=grad_cotangent),
+            reused_cotangent)
 
   qx, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
   g_amax = amax(g)
@@ -124,7 +148,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
 
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, g_amax))
-  return dx, dk, meta_in_cotangent
+  return dx, dk, meta_in_cotangent, reused_cotangent
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -205,10 +229,14 @@ def _quantize_matrix(t, meta, like, partner_descales):
   return q, q_t, scale_inv, products, dataclasses.replace(meta, amax=running)
 
 
-def _matrix_fwd(x, kernel, meta, layout):
+def _matrix_fwd(x, kernel, meta, reused, layout):
   x2 = x.reshape(layout.m, layout.k)
-  k2 = kernel.reshape(layout.k, layout.n)
-  qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None)
+  if reused is None:
+    k2 = kernel.reshape(layout.k, layout.n)
+    qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None)
+  else:
+    qk, qk_t, kernel_amax, scale_inv_k = reused
+    meta_k = dataclasses.replace(meta.kernel, amax=amax_max(meta.kernel.amax, kernel_amax))
   qx, qx_t, scale_inv_x, (fprop_descale,), meta_x = _quantize_matrix(x2, meta.x, x,
                                                                      (scale_inv_k,))
   with jax.named_scope("fp8_fprop"):

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from fp8jax import weight_reuse
 from fp8jax.meta import check_fp8_state
 from fp8jax.scaling import begin_step, close_step, end_step, merge_step
 from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
@@ -72,7 +73,8 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
 
   All microbatches use the step's scales; every role's recorded amax is the max
   over all microbatches (not a sum, not the last one), and the history advances
-  by one entry.
+  by one entry. Each FP8 kernel (weight) is quantized once for the whole step
+  and its FP8 copies serve every microbatch (`fp8jax.weight_reuse`).
 
   Args:
     loss_fn: as for `value_and_grad`.
@@ -102,16 +104,22 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
         f"got leading sizes {sorted(sizes)}.")
   n = sizes.pop()
 
+  # Each FP8 kernel is quantized once, here, for every microbatch (fp8jax.weight_reuse);
+  # the rest of this forward pass is unused and compiled away.
+  state = _open(fp8_state, (params, microbatches))
+  with weight_reuse.collecting() as kernels:
+    loss_fn(params, state, jax.tree.map(lambda leaf: leaf[0], microbatches))
+
   def one_microbatch(carry, batch):
     grad_sum, state = carry
-    value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state,
-                                                        (batch,))
+    with weight_reuse.replaying(kernels):
+      value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state,
+                                                          (batch,))
     state = merge_step(forward, cotangent)
     grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
     return (grad_sum, state), value
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  state = _open(fp8_state, (params, microbatches))
   (grad_sum, state), values = jax.lax.scan(one_microbatch, (zeros, state), microbatches)
   grads = jax.tree.map(lambda g: g / n, grad_sum)
   if has_aux:

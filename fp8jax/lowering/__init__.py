@@ -18,14 +18,15 @@ What XLA does with fp8jax's GEMMs (jax 0.10.2, deviceless sm_90a):
   XLA inside the quantize fusion, in FP8, and the f32 product is sliced.
 * With XLA's default flags (and no autotuner, as deviceless) Triton takes every
   FP8 GEMM. Its HLO operands stay FP8, but the kernel widens them to f16 in
-  registers (`mma.sync...f16.f16`, no FP8 `wgmma`): not FP8 tensor cores. On a
-  GPU the autotuner may pick cuBLAS instead; only the flag makes it certain.
+  registers (`mma.sync...f16.f16`, no FP8 `wgmma`): not FP8 tensor cores. On an
+  H100 the autotuner chose cuBLASLt FP8 for all of them (jax 0.11.2); only the
+  flag makes it certain.
 * cuBLASLt FP8 on Hopper takes "TN" operands: the contracted dim innermost in
   memory. For `y = x @ W` (x [M, K], W [K, N], g = dy [M, N]) that needs
-  fprop: W^T; dgrad (g @ W^T): nothing; wgrad (x^T @ g): x^T and g^T. XLA
-  writes W^T inside W's quantize fusion, then for dgrad transposes that f8 W^T
-  back with a separate kernel (avoidable); x^T is a second output of x's
-  quantize fusion when XLA fuses it so; g^T is usually a separate f8 transpose.
+  fprop: W^T; dgrad (g @ W^T): nothing; wgrad (x^T @ g): x^T and g^T. On a GPU
+  fp8jax's cast-transpose-amax kernel writes each of them in the pass that
+  quantizes the tensor (`Transpose.in_quantize`); XLA on its own added separate
+  f8 transposes for dgrad's W and wgrad's g^T.
 * `xla_allow_excess_precision` (on by default) lets XLA drop a cast to FP8 that
   is followed by a widening cast: `dequantize(quantize(x))` then does no FP8
   rounding at all on GPU.

@@ -68,18 +68,21 @@ class CostConstants:
     hbm_bytes_per_s: device memory bandwidth, bytes read + written per second.
     kernel_overhead_s: fixed cost per kernel (launch, ramp-up and tail).
 
-  The defaults are measured on an H100 80GB HBM3 (SXM) with jax 0.11
-  (benchmarks/results/h100_roofline.json, h100_dense.json): cuBLASLt reaches
-  about 1300 TFLOP/s in FP8 and 750 in bf16 on large square GEMMs (datasheet
-  peaks: 1979 and 989), elementwise kernels move about 3.0 TB/s (peak 3.35),
-  and a kernel costs a few microseconds beyond its traffic.
+  The defaults are profiler measurements on an H100 80GB HBM3 (SXM), jax 0.11.2
+  (benchmarks/results/h100_dense_device_time.json): cuBLASLt ran FP8 GEMMs at
+  1150 / 1447 / 1512 TFLOP/s and bf16 GEMMs at 643 / 803 / 829 TFLOP/s for
+  M = K = N = 2048 / 4096 / 8192 (the defaults take the middle size; datasheet
+  peaks are 1979 and 989); memory-bound kernels (the FP8 casts, amax passes)
+  moved 2.6 to 2.8 TB/s (datasheet 3.35); a kernel that moves almost nothing
+  took 0.9 to 1.6 us, a 4-byte copy about 1 us. The f32 rate is not measured
+  (XLA runs f32 dots in TF32 on Hopper; datasheet 494 TFLOP/s).
   """
 
-  fp8_gemm_flops_per_s: float = 1300e12
-  bf16_gemm_flops_per_s: float = 750e12
-  f32_gemm_flops_per_s: float = 375e12
-  hbm_bytes_per_s: float = 3.0e12
-  kernel_overhead_s: float = 2.5e-6
+  fp8_gemm_flops_per_s: float = 1450e12
+  bf16_gemm_flops_per_s: float = 800e12
+  f32_gemm_flops_per_s: float = 400e12
+  hbm_bytes_per_s: float = 2.7e12
+  kernel_overhead_s: float = 1.2e-6
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
