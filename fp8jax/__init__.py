@@ -5,8 +5,9 @@ state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
 
 Public submodules besides the names below: `fp8jax.flax.linen` and
 `fp8jax.flax.nnx` (Flax layers), `fp8jax.checkpoint` (orbax checkpoints; needs
-the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering`,
-`fp8jax.deviceless` and `fp8jax.attention_backend`.
+the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering` (GEMM report and
+cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
+`fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`).
 """
 # Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
 from fp8jax import platform_guard  # noqa: F401
@@ -22,7 +23,7 @@ from fp8jax.einsum import fp8_einsum
 from fp8jax.training import accumulate_gradients, value_and_grad
 from fp8jax.fused_attention import AttentionMeta, attention, fp8_attention, init_attention_meta
 from fp8jax.sharding import all_reduce_amax
-from fp8jax import attention_backend, deviceless, lowering
+from fp8jax import attention_backend, deviceless, fused_kernels, lowering
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
@@ -35,5 +36,5 @@ __all__ = [
     "accumulate_gradients", "value_and_grad",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
-    "attention_backend", "deviceless", "lowering",
+    "attention_backend", "deviceless", "fused_kernels", "lowering",
 ]

@@ -14,7 +14,7 @@ What this compiles to on Hopper (the lean path, see `fp8jax.lowering.cost`):
 when the dot is a plain matrix product once reshaped (`fp8_dense`, the
 projections of `fp8_einsum`), each of x, kernel and g is quantized by one
 kernel that also writes its transposed FP8 copy and records its amax
-(`fp8jax.fused_quantize`), and the three GEMMs read those copies in the layout
+(`fp8jax.fused_kernels`), and the three GEMMs read those copies in the layout
 cuBLASLt's FP8 GEMM wants, so XLA adds no transpose. The same kernels also
 return each GEMM's combined descale, and each GEMM is one
 `__cublas$lt$matmul$f8` that applies it as its alpha and writes the output
@@ -39,12 +39,12 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import weight_reuse
-from fp8jax.fused_quantize import cast_transpose_amax, tensor_amax
-from pallas_kernels import amax_max
+from fp8jax.amax import amax, amax_max
+from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
 from fp8jax.meta import DotMeta, check_dot_meta
-from fp8jax.quantize import amax, quantize, quantize_with_meta, scale_for
+from fp8jax.quantize import quantize
 from fp8jax.recipes import CurrentScaling
-from fp8jax.scaling import record_amax, scale_from_amax
+from fp8jax.scaling import quantize_with_meta, record_amax, scale_for, scale_from_amax
 from fp8jax.sharding import global_amax, match_operand_axes, varying_axes
 from fp8jax.validation import check_floating
 
@@ -83,7 +83,7 @@ def _reused_kernel(kernel, meta, layout):
   so that its arrays belong to the trace that will reuse them.
   """
   cache = weight_reuse.current()
-  if cache is None or layout is None:
+  if cache is None or layout is None or not cache.applies_here():
     return None
   if not cache.collecting:
     return cache.take(kernel, meta)
@@ -117,12 +117,12 @@ def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
 
 def _fp8_dot_fwd(x, kernel, meta, reused, dims, kernel_dtype, layout):
   out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
-  # The reused FP8 copies are not differentiated (the kernel's gradient is dk).
-  return (out, new_meta), (residuals, jax.tree.map(jnp.zeros_like, reused))
+  return (out, new_meta), residuals
 
 
-def _fp8_dot_bwd(dims, kernel_dtype, layout, saved, cotangents):
-  residuals, reused_cotangent = saved
+def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
+  # The reused FP8 copies of the kernel get no gradient (the kernel's is dk): None.
+  reused_cotangent = None
   g, meta_cotangent = cotangents
   if layout is not None:
     dx, dk, grad_cotangent = _matrix_bwd(layout, residuals, g, meta_cotangent.grad,
@@ -282,13 +282,18 @@ def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype
   (innermost) dim, the layout cuBLASLt's FP8 GEMM reads on Hopper, so XLA adds
   no transpose.
 
-  On a GPU the product is a raw-FP8 dot with an `out_dtype` result times the
-  scalar: XLA rewrites that into ONE `__cublas$lt$matmul$f8` with the descale
-  as its alpha and `out_dtype` written from the float32 accumulator, and with
-  XLA's default flags the autotuner can only choose between FP8 kernels (a
-  dot of dequantized bf16 operands would let it pick a bf16 Triton GEMM).
-  Elsewhere the dot accumulates in float32, is multiplied by the descale in
-  float32 and rounded once.
+  On a GPU, for bf16 and f32 outputs, the product is a raw-FP8 dot with an
+  `out_dtype` result times the scalar: XLA rewrites that into ONE
+  `__cublas$lt$matmul$f8` that takes the descale as its float32 scale operand
+  and writes `out_dtype` from its float32 accumulator, and with XLA's default
+  flags the autotuner can only choose between FP8 kernels (a dot of
+  dequantized bf16 operands would let it pick a bf16 GEMM). The scale operand
+  stays float32 because XLA drops the scalar's round trip through `out_dtype`
+  (`xla_allow_excess_precision`, on by default; turned off, the descale is
+  rounded to bf16, a systematic error of up to 2**-9). f16 outputs, whose range
+  could not hold the descale, and every other platform take the float32 form:
+  the dot accumulates in float32, is multiplied by the descale in float32 and
+  rounded once.
   """
   out_dtype = jnp.dtype(out_dtype)
   dims = (((1,), (1,)), ((), ()))
@@ -301,8 +306,13 @@ def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype
     product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
     return (product * descale).astype(out_dtype)
 
+  if out_dtype not in _FUSED_OUTPUT_DTYPES:
+    return float32_product(qa, qb, descale)
   return jax.lax.platform_dependent(qa, qb, descale, cuda=cublaslt_fp8,
                                     default=float32_product)
+
+
+_FUSED_OUTPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def scaled_dot(qa: jax.Array, qb: jax.Array, scale_inv_a: jax.Array, scale_inv_b: jax.Array,

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from fp8jax.attention_backend import BackendChoice, make_key, select_backend
 from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
-from fp8jax.quantize import amax, quantize_with_meta
+from fp8jax.amax import amax
+from fp8jax.scaling import quantize_with_meta
 from fp8jax.recipes import Recipe, check_recipe
 from fp8jax.scaling import record_amax
 from fp8jax.validation import check_floating

@@ -185,6 +185,24 @@ def check_role_meta(meta: Any, argname: str) -> None:
     dtype = jnp.result_type(getattr(meta, field))
     if dtype != jnp.float32:
       raise TypeError(f"{argname}.{field} must be float32, got {dtype}.")
+  check_scale_inv(meta, argname)
+
+
+def check_scale_inv(meta: Fp8Meta, argname: str) -> None:
+  """Raises unless `scale_inv` is `1 / scale` (checked where the values are known, not
+  under `jit`): a scale changed without its reciprocal would descale wrongly."""
+  scale, scale_inv = meta.scale, meta.scale_inv
+  if isinstance(scale, jax.core.Tracer) or isinstance(scale_inv, jax.core.Tracer):
+    return
+  try:
+    consistent = bool(jnp.all(jnp.asarray(scale_inv) == 1.0 / jnp.asarray(scale)))
+  except (TypeError, ValueError):  # not arrays (e.g. shape specs): nothing to check
+    return
+  if not consistent:
+    raise ValueError(
+        f"{argname}.scale_inv is not 1 / {argname}.scale (scale {scale}, scale_inv "
+        f"{scale_inv}). Change a scale with meta.with_scale(new_scale), which keeps its "
+        "reciprocal in step; dataclasses.replace(meta, scale=...) does not.")
 
 
 def check_fp8_state(fp8_state: Any, argname: str = "fp8_state") -> None:

@@ -16,7 +16,7 @@ Per role and per step t (DESIGN numerics contract):
    `scale_inv = 1 / scale` and the running amax returns to 0.
 
 On a GPU `end_step` runs as one kernel per recipe (per 32 roles) that reads
-and writes every role's arrays directly (`pallas_kernels.close_steps`); XLA on
+and writes every role's arrays directly (`fp8jax.fused_kernels.close_steps`); XLA on
 its own compiles the same update into a few kernels *per role*, because it does
 not fuse independent small outputs into one launch. Elsewhere the update is
 the same arithmetic in jnp, bit for bit.
@@ -28,10 +28,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
-from fp8jax.kernel_choice import kernels_allowed
+from fp8jax import fused_kernels
 from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta, map_metas
+from fp8jax.amax import amax, amax_max
+from fp8jax.quantize import quantize
+from fp8jax.recipes import CurrentScaling
+from fp8jax.sharding import global_amax
 from fp8jax.validation import check_format, check_int
 
 
@@ -62,7 +65,7 @@ def _scale_from_amax(amax, numerator, fallback):
 
 def record_amax(meta: Fp8Meta, amax: jax.Array) -> Fp8Meta:
   """Takes the max of the step's running amax and `amax` (NaN propagates until end_step)."""
-  return dataclasses.replace(meta, amax=pallas_kernels.amax_max(meta.amax, amax))
+  return dataclasses.replace(meta, amax=amax_max(meta.amax, amax))
 
 
 def begin_step(fp8_state):
@@ -112,6 +115,7 @@ def end_step(fp8_state):
 
 
 def _end_step(fp8_state, cotangent_state):
+  _check_shapes(fp8_state)
   metas, treedef = jax.tree.flatten(fp8_state, is_leaf=is_meta)
   others = (jax.tree.leaves(cotangent_state, is_leaf=is_meta) if cotangent_state is not None
             else [None] * len(metas))
@@ -126,32 +130,42 @@ def _end_step(fp8_state, cotangent_state):
   return jax.tree.unflatten(treedef, closed)
 
 
+def _check_shapes(fp8_state) -> None:
+  """Raises naming the meta unless its arrays have the shapes its recipe gives them."""
+  for path, meta in jax.tree_util.tree_leaves_with_path(fp8_state, is_leaf=is_meta):
+    rows = jnp.shape(meta.scale)
+    want = {"scale_inv": rows, "amax": rows,
+            "amax_history": rows + (meta.recipe.history_len,)}
+    for field, shape in want.items():
+      if jnp.shape(getattr(meta, field)) != shape:
+        raise ValueError(
+            f"fp8_state{jax.tree_util.keystr(path)}.{field} has shape "
+            f"{jnp.shape(getattr(meta, field))}, but scale has shape {rows} and the recipe "
+            f"{meta.recipe} keeps a history of {meta.recipe.history_len}: expected {shape}. "
+            "Make the state with fp8jax.init_dot_meta, or convert it with "
+            "fp8jax.resize_history.")
+
+
 def _close_together(metas, cotangents, recipe):
-  """`end_step` for metas that share `recipe`: one fused update on a GPU (see
-  `pallas_kernels.close_steps`), the same arithmetic in jnp elsewhere."""
+  """`end_step` for metas that share `recipe`: `_close_rows` on every role, run as one
+  fused kernel on a GPU (`fp8jax.fused_kernels.close_steps`)."""
   amaxes = [jnp.ravel(m.amax) for m in metas]
   histories = [jnp.ravel(m.amax_history) for m in metas]
   scales = [jnp.ravel(m.scale) for m in metas]
   other_amaxes = ([jnp.ravel(c.amax) for c in cotangents] if cotangents[0] is not None
                   else None)
   numerators = [m.fmt.max / 2.0**recipe.margin for m in metas]
-  options = dict(numerators=numerators, history_len=recipe.history_len,
-                 amax_compute_algo=recipe.amax_compute_algo)
-
-  def kernel(amaxes, other_amaxes, histories, scales):
-    return pallas_kernels.close_steps(amaxes, histories, scales, other_amaxes=other_amaxes,
-                                      **options)
 
   def reference(amaxes, other_amaxes, histories, scales):
-    return pallas_kernels.close_steps_reference(amaxes, histories, scales,
-                                                other_amaxes=other_amaxes, **options)
+    others = other_amaxes if other_amaxes is not None else [None] * len(amaxes)
+    rows = [_close_rows(*role, recipe) for role in zip(amaxes, others, histories, scales,
+                                                         numerators)]
+    return tuple(list(column) for column in zip(*rows))
 
-  args = (amaxes, other_amaxes, histories, scales)
-  if kernels_allowed(args):
-    results = jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
-  else:
-    results = reference(*args)
-  new_scales, scale_invs, new_histories, new_amaxes = results
+  new_scales, scale_invs, new_histories, new_amaxes = fused_kernels.close_steps(
+      amaxes, other_amaxes, histories, scales, numerators=numerators,
+      history_len=recipe.history_len, amax_compute_algo=recipe.amax_compute_algo,
+      reference=reference)
   return [dataclasses.replace(
       meta, scale=scale.reshape(jnp.shape(meta.scale)),
       scale_inv=scale_inv.reshape(jnp.shape(meta.scale)),
@@ -159,6 +173,24 @@ def _close_together(metas, cotangents, recipe):
       amax=amax.reshape(jnp.shape(meta.amax)))
       for meta, scale, scale_inv, history, amax
       in zip(metas, new_scales, scale_invs, new_histories, new_amaxes)]
+
+
+def _close_rows(amax, other_amax, history, scale, numerator, recipe):
+  """The step's close for one role's rows: amax [n], history [n * L], scale [n].
+
+  Returns (scale, scale_inv, history, amax) of the same shapes (amax all 0).
+  """
+  if other_amax is not None:
+    amax = amax_max(amax, other_amax)
+  history_len = recipe.history_len
+  history = history.reshape(-1, history_len)
+  finite = jnp.abs(amax) < jnp.inf  # false for NaN and inf
+  recorded = jnp.where(finite, amax, 0.0)
+  history = jnp.concatenate([recorded[:, None], history[:, :history_len - 1]], axis=1)
+  window = jnp.max(history, axis=1) if recipe.amax_compute_algo == "max" else history[:, 0]
+  candidate = _scale_from_amax(window, jnp.float32(numerator), scale)
+  new_scale = jnp.where(finite & (amax > 0), candidate, scale)
+  return new_scale, 1.0 / new_scale, history.reshape(-1), jnp.zeros_like(amax)
 
 
 def merge_step(forward_state, cotangent_state):
@@ -171,8 +203,7 @@ def merge_step(forward_state, cotangent_state):
   check_fp8_state(forward_state, "forward_state")
   check_fp8_state(cotangent_state, "cotangent_state")
   _check_same_structure(forward_state, cotangent_state)
-  return map_metas(lambda f, c: dataclasses.replace(f, amax=pallas_kernels.amax_max(f.amax,
-                                                                                     c.amax)),
+  return map_metas(lambda f, c: dataclasses.replace(f, amax=amax_max(f.amax, c.amax)),
                    forward_state, cotangent_state)
 
 
@@ -182,3 +213,31 @@ def _check_same_structure(forward_state, cotangent_state) -> None:
         "forward_state and cotangent_state must have the same structure (the state the "
         "forward pass returned and the gradient with respect to the state it was given); "
         f"got {jax.tree.structure(forward_state)} and {jax.tree.structure(cotangent_state)}.")
+
+
+def quantize_with_meta(x: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, jax.Array, Fp8Meta]:
+  """Quantizes `x` as `meta`'s recipe says and records `x`'s amax.
+
+  Delayed scaling uses the stored `meta.scale`; current scaling computes the
+  scale from `x`'s own amax (keeping `meta.scale` if that amax is 0 or not finite);
+  inside `shard_map` that is the amax of the whole tensor, not of this shard.
+
+  Returns:
+    (q in meta.fmt.dtype, the float32[] scale used, meta with the amax recorded).
+  """
+  x_amax = amax(x)
+  scale = scale_for(meta, x_amax, like=x)
+  return quantize(x, scale, meta.fmt), scale, record_amax(meta, x_amax)
+
+
+def scale_for(meta: Fp8Meta, x_amax: jax.Array, like: jax.Array | None = None) -> jax.Array:
+  """The float32[] scale to quantize a tensor of amax `x_amax` with under `meta`.
+
+  `like` is the tensor itself: under `shard_map`, current scaling takes the max
+  of `x_amax` over the devices holding the other shards of that tensor.
+  """
+  if isinstance(meta.recipe, CurrentScaling):
+    if like is not None:
+      x_amax = global_amax(x_amax, like)
+    return scale_from_amax(x_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale)
+  return meta.scale

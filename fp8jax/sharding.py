@@ -145,7 +145,7 @@ def all_reduce_amax(fp8_state: Any, axis_name: AxisName = None) -> Any:
   Call it between the last FP8 op of a step and `fp8jax.end_step` when writing
   a step by hand inside `shard_map`; `fp8jax.value_and_grad` and
   `accumulate_gradients` call it for you. All leaves travel in a single `pmax`.
-  The running amax (history slot 0) becomes the max over devices; every other
+  The running amax (each meta's `amax`) becomes the max over devices; every other
   leaf is identical on all devices (it came from the replicated state) and is
   unchanged, but is afterwards typed as replicated again.
 

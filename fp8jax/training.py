@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from fp8jax import weight_reuse
-from fp8jax.meta import check_fp8_state
+from fp8jax.meta import check_fp8_state, is_meta
 from fp8jax.scaling import begin_step, close_step, end_step, merge_step
 from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
 
@@ -74,7 +76,11 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
   All microbatches use the step's scales; every role's recorded amax is the max
   over all microbatches (not a sum, not the last one), and the history advances
   by one entry. Each FP8 kernel (weight) is quantized once for the whole step
-  and its FP8 copies serve every microbatch (`fp8jax.weight_reuse`).
+  and its FP8 copies serve every microbatch (`fp8jax.weight_reuse`). Meant to
+  run under `jax.jit`: the loss is traced once more outside the microbatch loop
+  to quantize the kernels, and only `jit` compiles away the rest of that trace
+  (called eagerly, it runs a forward pass more, and callbacks in the loss run
+  once more).
 
   Args:
     loss_fn: as for `value_and_grad`.
@@ -105,22 +111,24 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
   n = sizes.pop()
 
   # Each FP8 kernel is quantized once, here, for every microbatch (fp8jax.weight_reuse);
-  # the rest of this forward pass is unused and compiled away.
+  # the rest of this forward pass is unused and compiled away under jit.
   state = _open(fp8_state, (params, microbatches))
   with weight_reuse.collecting() as kernels:
     loss_fn(params, state, jax.tree.map(lambda leaf: leaf[0], microbatches))
 
   def one_microbatch(carry, batch):
-    grad_sum, state = carry
-    with weight_reuse.replaying(kernels):
-      value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state,
-                                                          (batch,))
-    state = merge_step(forward, cotangent)
+    # Only the running amaxes travel between microbatches; scales and histories
+    # are the step's, so every microbatch quantizes with the same scales.
+    grad_sum, amaxes = carry
+    value, grads, (forward, cotangent) = _differentiate(
+        loss_fn, has_aux, params, _with_amaxes(state, amaxes), (batch,), reuse=kernels)
     grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-    return (grad_sum, state), value
+    return (grad_sum, _amaxes(merge_step(forward, cotangent))), value
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grad_sum, state), values = jax.lax.scan(one_microbatch, (zeros, state), microbatches)
+  (grad_sum, amaxes), values = jax.lax.scan(one_microbatch, (zeros, _amaxes(state)),
+                                            microbatches)
+  state = _with_amaxes(state, amaxes)
   grads = jax.tree.map(lambda g: g / n, grad_sum)
   if has_aux:
     losses, aux = values
@@ -128,6 +136,16 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
   else:
     value = jnp.mean(values)
   return value, grads, _close(state, axis_name)
+
+
+def _amaxes(fp8_state):
+  """The running amax of every meta (a tree shaped like the state, amaxes for metas)."""
+  return jax.tree.map(lambda meta: meta.amax, fp8_state, is_leaf=is_meta)
+
+
+def _with_amaxes(fp8_state, amaxes):
+  return jax.tree.map(lambda meta, amax: dataclasses.replace(meta, amax=amax), fp8_state,
+                      amaxes, is_leaf=is_meta)
 
 
 def _open(fp8_state, inputs):
@@ -150,7 +168,7 @@ def _check_loss_fn(loss_fn) -> None:
         f"got {type(loss_fn).__name__}: {loss_fn!r}.")
 
 
-def _differentiate(loss_fn, has_aux, params, state, args):
+def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
   """Forward + backward inside an open step.
 
   Returns (value, grads, (forward_state, state_cotangent)): what the forward and
@@ -158,7 +176,11 @@ def _differentiate(loss_fn, has_aux, params, state, args):
   """
 
   def split_loss(p, s):
-    returned = loss_fn(p, s, *args)
+    if reuse is None:
+      returned = loss_fn(p, s, *args)
+    else:
+      with weight_reuse.replaying(reuse):  # at the level the loss's ops are traced
+        returned = loss_fn(p, s, *args)
     if not isinstance(returned, tuple) or len(returned) != 2:
       raise TypeError(
           "loss_fn must return (loss, new_fp8_state)" + (

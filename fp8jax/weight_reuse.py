@@ -22,6 +22,11 @@ import contextvars
 import dataclasses
 from typing import Any
 
+try:  # jax >= 0.4.36: identifies the trace an op is being traced in
+  from jax.extend.core import get_opaque_trace_state as _trace_state
+except ImportError:  # without it, nothing is reused
+  _trace_state = None
+
 _CURRENT = contextvars.ContextVar("fp8jax_weight_cache", default=None)
 
 
@@ -37,11 +42,24 @@ class QuantizedKernel:
 
 @dataclasses.dataclass
 class WeightCache:
-  """The kernel quantizations of one traced loss, in call order."""
+  """The kernel quantizations of one traced loss, in call order.
+
+  Attributes:
+    collecting: recording (True) or reusing (False).
+    trace: the trace the loss is traced in; ops traced in another (nested) one
+      neither record nor reuse.
+    entries: the recorded quantizations.
+    position: the next entry to reuse.
+  """
 
   collecting: bool
+  trace: Any = None
   entries: list = dataclasses.field(default_factory=list)
   position: int = 0
+
+  def applies_here(self) -> bool:
+    """Whether the op being traced now is at the loss's own level."""
+    return _trace_state is not None and self.trace is not None and _trace_state() == self.trace
 
   def add(self, kernel, meta, arrays) -> None:
     self.entries.append(QuantizedKernel(kernel, meta.recipe, meta.fmt, tuple(arrays)))
@@ -76,7 +94,7 @@ def primal(value):
 @contextlib.contextmanager
 def collecting():
   """Record every FP8 kernel quantization traced inside; yields the `WeightCache`."""
-  cache = WeightCache(collecting=True)
+  cache = WeightCache(collecting=True, trace=_current_trace())
   token = _CURRENT.set(cache)
   try:
     yield cache
@@ -86,13 +104,21 @@ def collecting():
 
 @contextlib.contextmanager
 def replaying(cache: WeightCache):
-  """Reuse `cache`'s quantizations for the FP8 ops traced inside, in the same order."""
-  replay = WeightCache(collecting=False, entries=cache.entries)
+  """Reuse `cache`'s quantizations for the FP8 ops traced inside, in the same order.
+
+  Enter it in the function being differentiated (where the loss's own ops are
+  traced), not around the differentiation.
+  """
+  replay = WeightCache(collecting=False, trace=_current_trace(), entries=cache.entries)
   token = _CURRENT.set(replay)
   try:
     yield replay
   finally:
     _CURRENT.reset(token)
+
+
+def _current_trace():
+  return _trace_state() if _trace_state is not None else None
 
 
 def current() -> WeightCache | None:

@@ -139,7 +139,9 @@ def test_backend_selection_runs_once_per_static_key_not_per_scale_value(monkeypa
   meta = fp8jax.init_attention_meta(RECIPE)
   step = jax.jit(lambda q, k, v, m: fp8jax.fp8_attention(q, k, v, m)[0])
   for i in range(3):  # new scale/amax values: no retrace, no new selection
-    meta = jax.tree.map(lambda a: a + i, meta)
+    meta = jax.tree.map(
+        lambda role: dataclasses.replace(role, amax=role.amax + i).with_scale(role.scale + i),
+        meta, is_leaf=lambda n: isinstance(n, fp8jax.Fp8Meta))
     step(q, k, v, meta)
   fp8jax.fp8_attention(q, k, v, meta)           # eager call, same static key
   assert len(calls) == 1

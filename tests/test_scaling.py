@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.quantize import quantize_with_meta
+from fp8jax.scaling import quantize_with_meta
 from fp8jax.scaling import record_amax
 from fp8_reference import simulate_delayed_scaling
 

@@ -63,6 +63,80 @@ def test_accumulation_equals_quantizing_in_every_microbatch_for_any_params(recip
       fp8jax.amax(_problem(2)[0]["w1"]))
 
 
+def _kernel_casts_in_scan_body(fn, *args):
+  """How many FP8 casts of a kernel-shaped array the microbatch loop's body holds.
+
+  The GPU kernels' own bodies (pallas_call, whose tiles may have any shape) are
+  not looked into: the jnp path stands for both.
+  """
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  kernel_shapes = {(32, 64), (64, 16)}
+  found = []
+
+  def walk(jaxpr, in_scan):
+    for eqn in jaxpr.eqns:
+      if (in_scan and eqn.primitive.name == "convert_element_type" and
+          jnp.dtype(eqn.params["new_dtype"]).itemsize == 1 and
+          tuple(eqn.invars[0].aval.shape) in kernel_shapes):
+        found.append(eqn)
+      if eqn.primitive.name == "pallas_call":
+        continue
+      for sub in _subjaxprs(eqn):
+        walk(sub, in_scan or eqn.primitive.name == "scan")
+
+  walk(jaxpr.jaxpr, False)
+  return len(found)
+
+
+def _subjaxprs(eqn):
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+      inner = getattr(item, "jaxpr", None)
+      if inner is not None:
+        yield inner if hasattr(inner, "eqns") else inner.jaxpr
+      elif hasattr(item, "eqns"):
+        yield item
+
+
+@pytest.mark.parametrize("loss_fn,reused", [(_loss, True), (_loss_with_computed_kernels, False)],
+                         ids=["param_kernels", "computed_kernels"])
+def test_the_microbatch_loop_quantizes_kernels_only_when_they_cannot_be_reused(loss_fn, reused):
+  params, batch = _problem(0)
+  fp8_state = {"l1": fp8jax.init_dot_meta(RECIPES["delayed"]),
+               "l2": fp8jax.init_dot_meta(RECIPES["delayed"])}
+  casts = _kernel_casts_in_scan_body(
+      lambda p, s, b: fp8jax.accumulate_gradients(loss_fn, p, s, b), params, fp8_state, batch)
+  assert (casts == 0) if reused else (casts >= 2), casts
+
+
+def _loss_in_nested_traces(params, fp8_state, batch):
+  """The same two layers, the first inside a lax.scan, the second under remat and a cond."""
+  def first(carry, _):
+    h, m = fp8jax.fp8_dense(batch["x"], params["w1"], None, carry)
+    return m, h
+  m1, hs = jax.lax.scan(first, fp8_state["l1"], None, length=1)
+
+  @jax.checkpoint
+  def second(h, meta):
+    return jax.lax.cond(jnp.all(jnp.isfinite(h)),
+                        lambda: fp8jax.fp8_dense(h, params["w2"], None, meta),
+                        lambda: fp8jax.fp8_dense(h * 0, params["w2"], None, meta))
+  y, m2 = second(jax.nn.gelu(hs[0]), fp8_state["l2"])
+  return jnp.mean((y.astype(jnp.float32) - batch["t"]) ** 2), {"l1": m1, "l2": m2}
+
+
+def test_kernels_used_inside_scan_remat_or_cond_of_the_loss_are_quantized_where_used():
+  params, batch = _problem(3)
+  fp8_state = {"l1": fp8jax.init_dot_meta(RECIPES["delayed"]),
+               "l2": fp8jax.init_dot_meta(RECIPES["delayed"])}
+  loss, grads, state = jax.jit(
+      lambda p, s, b: fp8jax.accumulate_gradients(_loss_in_nested_traces, p, s, b))(
+          params, fp8_state, batch)
+  want = jax.jit(lambda p, s, b: fp8jax.accumulate_gradients(_loss, p, s, b))(
+      params, fp8_state, batch)
+  _assert_bitwise((loss, grads, state), want)
+
+
 def test_a_recorded_quantization_serves_only_the_array_it_came_from():
   meta = fp8jax.init_dot_meta(RECIPES["delayed"]).kernel
   w, other = jnp.ones((16, 16)), jnp.ones((16, 16))
@@ -70,6 +144,7 @@ def test_a_recorded_quantization_serves_only_the_array_it_came_from():
     cache.add(w, meta, ("q", "q_t", "amax", "scale_inv"))
     cache.add(w, meta, ("q2", "q_t2", "amax2", "scale_inv2"))
   with weight_reuse.replaying(cache) as replay:
+    assert replay.applies_here()  # traced at the level the replay began
     assert replay.take(other, meta) is None             # equal values, another array
     assert replay.take(w, meta) == ("q2", "q_t2", "amax2", "scale_inv2")  # position 2
     assert replay.take(w, meta) is None                 # nothing left

@@ -15,7 +15,7 @@ What XLA does with fp8jax's GEMMs (jax 0.10.2, deviceless sm_90a):
 * With `xla_gpu_enable_triton_gemm=False` every fprop, dgrad and wgrad GEMM of
   `fp8_dense` / `fp8_einsum` is `__cublas$lt$matmul$f8`, 2-D or batched input.
   Dims that are not multiples of 16 (which cuBLASLt FP8 needs) are padded by
-  XLA inside the quantize fusion, in FP8, and the f32 product is sliced.
+  XLA in FP8, and the GEMM's output is sliced.
 * With XLA's default flags (and no autotuner, as deviceless) Triton takes every
   FP8 GEMM. Its HLO operands stay FP8, but the kernel widens them to f16 in
   registers (`mma.sync...f16.f16`, no FP8 `wgmma`): not FP8 tensor cores. On an
