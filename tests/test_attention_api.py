@@ -38,7 +38,7 @@ def _reference(q, k, v, causal):
   return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("backend", [None, "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
 def test_fp8_attention_meta_updates_over_two_jitted_steps_as_the_recipe_says(backend):
   q, k, v = _qkv(0)
   target = jax.random.normal(jax.random.key(9), q.shape).astype(jnp.bfloat16)
@@ -70,7 +70,7 @@ def test_fp8_attention_meta_updates_over_two_jitted_steps_as_the_recipe_says(bac
 def test_fp8_attention_matches_float64_reference_within_p_rounding_bound(causal):
   q, k, v = _qkv(1, dtype=jnp.float32)
   meta = fp8jax.init_attention_meta(fp8jax.CurrentScaling())
-  out, _ = fp8jax.fp8_attention(q, k, v, meta, causal=causal)
+  out, _ = fp8jax.fp8_attention(q, k, v, meta, causal=causal, backend="pallas")
   # The reference gets the same E4M3 q, k, v (independent float64 quantizer, the
   # scales current scaling computes: float32(448) / amax), dequantized.
   deq = []
@@ -102,7 +102,7 @@ def test_fp8_attention_matches_float64_reference_within_p_rounding_bound(causal)
 def test_bf16_attention_matches_float64_reference_with_segments():
   q, k, v = _qkv(2, batch=2, seq=48)
   seg = jnp.asarray(np.repeat([[0] * 30 + [1] * 18, [0] * 40 + [1] * 8], 1, axis=0), jnp.int32)
-  out = fp8jax.attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
+  out = fp8jax.attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, backend="pallas")
   # Reference: each segment attends only within itself.
   ref = np.zeros(q.shape)
   for b in range(2):
@@ -114,20 +114,37 @@ def test_bf16_attention_matches_float64_reference_with_segments():
   assert err < 1e-2, err
 
 
-def test_float32_inputs_stay_on_the_fused_path_without_warning():
-  q, k, v = _qkv(3, dtype=jnp.float32)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    choice = fp8jax.fused_attention.choose_backend(q, k, fp8=False, causal=False,
-                                                   has_segments=False)
-    out = fp8jax.attention(q, k, v)
-  assert choice.name == "pallas" and choice.reason is None and out.dtype == jnp.float32
-
-
 def _key(**changes):
   base = dict(platform="gpu", gpu_arch="sm_90", dtype="bfloat16", fp8=True, head_dim=128,
               mask="causal", recipe_type="DelayedScaling", gqa_ratio=2, size_class="aligned")
   return attention_backend.BackendKey(**{**base, **changes})
+
+
+def test_float32_inputs_stay_on_the_fused_path_without_warning():
+  # On a GPU f32 inputs choose the fused kernel; on this CPU the kernel runs when asked for.
+  attention_backend.select_backend.cache_clear()
+  q, k, v = _qkv(3, dtype=jnp.float32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    choice = attention_backend.select_backend(_key(fp8=False, dtype="float32", head_dim=64))
+    out = fp8jax.attention(q, k, v, backend="pallas")
+  assert choice.name == "pallas" and choice.reason is None and out.dtype == jnp.float32
+
+
+def test_cpu_chooses_xla_attention_without_warning_for_bf16_and_fp8():
+  # The Pallas interpreter is the kernel's slow emulation; XLA is a CPU's fast path.
+  attention_backend.select_backend.cache_clear()
+  q, k, v = _qkv(11, seq=16)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for fp8 in (False, True):
+      for head_dim in (48, 64):  # also head dims the fused kernels lack
+        choice = fp8jax.fused_attention.choose_backend(
+            q[..., :head_dim], k[..., :head_dim], fp8=fp8, causal=True, has_segments=False,
+            recipe=RECIPE if fp8 else None)
+        assert choice == attention_backend.BackendChoice("xla"), (fp8, head_dim)
+  assert attention_backend.select_backend(_key(platform="cpu", gpu_arch=None),
+                                          "pallas").name == "pallas"
 
 
 def test_backend_selection_runs_once_per_static_key_not_per_scale_value(monkeypatch):
@@ -177,9 +194,6 @@ def test_selection_falls_back_for_unsupported_head_dim_with_a_reason():
   attention_backend.select_backend.cache_clear()
   with pytest.warns(UserWarning, match="head_dim 48 is not one of the fused kernel's"):
     assert attention_backend.select_backend(_key(fp8=False, head_dim=48)).name == "cudnn"
-  with pytest.warns(UserWarning, match="head_dim 48"):
-    assert attention_backend.select_backend(_key(platform="cpu", gpu_arch=None,
-                                                 head_dim=48)).name == "xla"
   assert attention_backend.select_backend(_key(fp8=False)).name == "pallas"
   # Inputs cuDNN rejects fall back to XLA rather than failing inside cuDNN.
   for unsupported in (dict(dtype="float32", head_dim=48), dict(head_dim=20),

@@ -42,7 +42,7 @@ FP8_COLLECTION = "fp8_meta"
 default_kernel_init = nn.initializers.lecun_normal()
 
 
-def _dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta"):
+def dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta"):
   """The module's `DotMeta` variable; checks it follows the module's recipe."""
   variable = module.variable(FP8_COLLECTION, name, init_dot_meta, recipe)
   stored = variable.value.recipe
@@ -54,7 +54,12 @@ def _dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta"
   return variable
 
 
-def _store(module: nn.Module, variable, new_meta: DotMeta) -> None:
+def store_dot_meta(module: nn.Module, variable, new_meta: DotMeta) -> None:
+  """Writes a layer's new FP8 state when the collection is mutable (training), not in init.
+
+  With `dot_meta_variable`, what a layer built from fp8jax's functions (not from
+  the layers here) uses to keep its state by this module's conventions.
+  """
   # The init pass must not record amaxes: the first training step would then
   # start from an observation of the random initialization.
   if module.is_mutable_collection(FP8_COLLECTION) and not module.is_initializing():
@@ -73,9 +78,9 @@ class Fp8DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None):
     del precision  # FP8 GEMMs accumulate in float32 regardless.
-    variable = _dot_meta_variable(self, self.recipe)
+    variable = dot_meta_variable(self, self.recipe)
     out, new_meta = fp8_dot_general(lhs, rhs, variable.value, dimension_numbers)
-    _store(self, variable, new_meta)
+    store_dot_meta(self, variable, new_meta)
     if preferred_element_type is not None:
       out = out.astype(preferred_element_type)
     return out
@@ -108,9 +113,9 @@ class Fp8Dense(nn.Module):
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    variable = _dot_meta_variable(self, self.recipe)
+    variable = dot_meta_variable(self, self.recipe)
     y, new_meta = fp8_dense(x, kernel, bias, variable.value)
-    _store(self, variable, new_meta)
+    store_dot_meta(self, variable, new_meta)
     return y
 
 
@@ -139,10 +144,10 @@ class Fp8DenseGeneral(nn.Module):
     bias = (self.param("bias", self.bias_init, features, self.param_dtype)
             if self.use_bias else None)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    variable = _dot_meta_variable(self, self.recipe)
+    variable = dot_meta_variable(self, self.recipe)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
     y, new_meta = fp8_dot_general(x, kernel, variable.value, dims)
-    _store(self, variable, new_meta)
+    store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)
     return y
@@ -180,9 +185,9 @@ class Fp8Einsum(nn.Module):
         trailing.insert(0, self.shape[k_labels.index(label)])
       bias = self.param("bias", self.bias_init, tuple(trailing), self.param_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    variable = _dot_meta_variable(self, self.recipe)
+    variable = dot_meta_variable(self, self.recipe)
     y, new_meta = fp8_einsum(self.einsum_str, x, kernel, variable.value)
-    _store(self, variable, new_meta)
+    store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)
     return y
@@ -238,7 +243,7 @@ class Fp8MultiHeadAttention(nn.Module):
     if self.fp8_attention:
       variable = self.variable(FP8_COLLECTION, "attention_meta", init_attention_meta, self.recipe)
       out, new_meta = fp8_attention(q, k, v, variable.value, **kwargs)
-      _store(self, variable, new_meta)
+      store_dot_meta(self, variable, new_meta)
     else:
       out = attention(q, k, v, **kwargs)
     return project(inputs_q.shape[-1], axis=(-2, -1), name="out")(out)

@@ -1,0 +1,388 @@
+"""A byte-level decoder-only transformer (GPT) in bf16 or FP8, from fp8jax's Flax layers.
+
+    config = gpt.config_for("tiny", seq_len=128)
+    model = gpt.Gpt(config, recipe=fp8jax.DelayedScaling())   # recipe=None: the bf16 twin
+    variables = model.init(jax.random.key(0), tokens)          # tokens int32 [batch, seq]
+    logits, updates = model.apply(variables, tokens, mutable=["fp8_meta"])  # FP8 training
+    logits = model.apply(variables, tokens)                    # FP8 evaluation: no recording
+    logits = gpt.Gpt(config).apply({"params": variables["params"]}, tokens)  # the bf16 twin
+
+Architecture (pre-norm, GPT-2 shaped, no biases, no learned positions):
+
+    x = embed[tokens]                                          # bf16 [B, S, d]
+    for each of n_layers blocks (nn.scan, one stacked set of params and FP8 state):
+      x = x + out(attention(rope(q(h)), rope(k(h)), v(h), causal))   h = rms_norm(x)
+      x = x + down(gelu(up(h)))                                      h = rms_norm(x)
+    logits = rms_norm(x) @ embed^T                             # float32 [B, S, 256]
+
+`rms_norm(x) = x / sqrt(mean(x**2) + eps) * scale`, computed in float32 (a
+learned `scale` per feature). The MLP width is d_ff = 4 d and its GELU is the
+tanh approximation. The output projection is tied to the input embedding: the
+embedding table [256, d] is its kernel. Parameters are float32; activations,
+the residual stream included, are bfloat16.
+
+FP8 (`recipe` given): the q, k, v and attention-output projections are
+`fp8jax.flax.linen.Fp8DenseGeneral`, the MLP's two are `Fp8Dense`, the tied
+output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
+`DotMeta`, and attention is `fp8jax.fp8_attention` with an `AttentionMeta`
+(`GptConfig.fp8_attention=False` keeps attention in bf16). With `recipe=None`
+the same places run `nn.DenseGeneral` / `nn.Dense`, `jnp.einsum` and
+`fp8jax.attention`, under the same parameter names and shapes, so parameters
+move freely between the two (a bf16 checkpoint loads into the FP8 model).
+
+The "fp8_meta" collection follows `fp8jax.flax.linen`'s conventions:
+
+    {"blocks": {"attention": {"query"|"key"|"value"|"out": {"dot_meta": DotMeta},
+                              "attention_meta": AttentionMeta},
+                "mlp": {"up"|"down": {"dot_meta": DotMeta}}},
+     "head": {"dot_meta": DotMeta}}
+
+where every array under "blocks" has a leading axis of n_layers (each layer
+owns its state; `nn.scan` slices it). Apply with `mutable=["fp8_meta"]` to
+record amaxes (training, with `fp8jax.value_and_grad`); without it the stored
+scales are used and nothing is recorded (evaluation).
+
+Initialization (GPT-2): every embedding and projection kernel is drawn from
+normal(0, 0.02); the two residual projections of each block (attention "out",
+MLP "down") from normal(0, 0.02 / sqrt(2 n_layers)), so that the residual
+stream's variance does not grow with depth (2 n_layers residual additions).
+RMSNorm scales start at 1.
+
+Sizes (`SIZES`; parameters = 256 d + n_layers (12 d^2 + 2 d) + d, the
+embedding counted once since it is tied):
+
+    name   d_model  layers  heads  head_dim  seq_len  parameters
+    tiny       128       4      2        64      128     820,352
+    small      384       6      6        64      256  10,720,128
+    125m       768      12     12        64     1024  85,150,464
+    350m      1024      24     16        64     1024  302,302,208
+    1b        2048      24     16       128     2048  1,208,584,192
+
+"125m" and "350m" name the GPT-2 / GPT-3 shapes they borrow; with a 256-byte
+vocabulary the embedding is small, so they hold fewer parameters than their
+names. Every head_dim is one the fused attention kernels support (64, 128, 256).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fp8jax.attention_backend import BACKENDS
+from fp8jax.einsum import fp8_einsum
+from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
+                               store_dot_meta)
+from fp8jax.fused_attention import attention, choose_backend, fp8_attention, init_attention_meta
+from fp8jax.recipes import Recipe, check_recipe
+
+ACTIVATION_DTYPE = jnp.bfloat16
+PARAM_DTYPE = jnp.float32
+VOCAB_SIZE = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class GptConfig:
+  """The shape and knobs of a `Gpt` (frozen and hashable: safe as a static `jit` argument).
+
+  Attributes:
+    d_model: width of the residual stream.
+    n_layers: transformer blocks.
+    n_heads: attention heads; head_dim = d_model // n_heads (even, for RoPE).
+    seq_len: the longest sequence the model takes (the training length; RoPE
+      itself has no limit, but it is not trained beyond it).
+    vocab_size: token ids are in [0, vocab_size); 256 for bytes.
+    mlp_ratio: d_ff = mlp_ratio * d_model.
+    rope_base: RoPE's base b: pair i of a head rotates by position * b**(-2i / head_dim).
+    norm_eps: RMSNorm's epsilon.
+    init_std: standard deviation of the embedding and projection initializers.
+    remat: recompute each block's activations in the backward pass (`nn.remat`),
+      trading compute for memory.
+    scan_unroll: blocks per iteration of the `nn.scan` loop (n_layers unrolls it
+      fully; parameters and FP8 state stay stacked either way). On XLA:CPU a rolled
+      loop stores each block's saved activations by rewriting the whole stacked
+      buffer (FP8 ones through an f16 copy): the tiny model's train step takes
+      512 ms in FP8 and 176 ms in bf16 rolled, 172 and 138 ms unrolled. "tiny"
+      unrolls; the larger sizes (meant for a GPU) keep the loop rolled.
+    fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`);
+      False keeps it in bf16 (`fp8jax.attention`) beside the FP8 projections.
+    attention_backend: force an attention backend ("pallas", "xla", ...; see
+      `fp8jax.attention_backend`); None lets fp8jax choose for the platform.
+  """
+
+  d_model: int
+  n_layers: int
+  n_heads: int
+  seq_len: int
+  vocab_size: int = VOCAB_SIZE
+  mlp_ratio: int = 4
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  remat: bool = False
+  scan_unroll: int = 1
+  fp8_attention: bool = True
+  attention_backend: str | None = None
+
+  def __post_init__(self):
+    for field in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
+                  "scan_unroll"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"GptConfig.{field}={value!r}: expected a positive int.")
+    if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+      raise ValueError(
+          f"GptConfig: d_model={self.d_model} must split into n_heads={self.n_heads} heads "
+          "of an even head_dim (RoPE rotates pairs of features); change d_model or n_heads.")
+    if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+      raise ValueError(f"GptConfig.attention_backend={self.attention_backend!r} is not one of "
+                       f"{BACKENDS} (or None to let fp8jax choose).")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def d_ff(self) -> int:
+    return self.mlp_ratio * self.d_model
+
+
+SIZES: dict[str, GptConfig] = {
+    # tiny: the CPU demo size. Measured on 2 shared CPU cores (jax 0.10.2, batch
+    # 16 x 128, jitted adamw train step, median after compile): 138 ms per step in
+    # bf16, 172 ms in FP8 (delayed scaling), 174 ms (current): 300 steps take 40-50 s.
+    "tiny": GptConfig(d_model=128, n_layers=4, n_heads=2, seq_len=128, scan_unroll=4),
+    "small": GptConfig(d_model=384, n_layers=6, n_heads=6, seq_len=256),
+    "125m": GptConfig(d_model=768, n_layers=12, n_heads=12, seq_len=1024),
+    "350m": GptConfig(d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
+    "1b": GptConfig(d_model=2048, n_layers=24, n_heads=16, seq_len=2048),
+}
+
+
+def config_for(size: str, **overrides: Any) -> GptConfig:
+  """The `GptConfig` of a named size, with fields overridden (e.g. `seq_len=128`).
+
+  Raises:
+    ValueError: an unknown size or field.
+  """
+  if size not in SIZES:
+    raise ValueError(f"size={size!r} is not a known GPT size; choose one of {sorted(SIZES)} "
+                     f"(in order: {', '.join(SIZES)}).")
+  fields = {f.name for f in dataclasses.fields(GptConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"config_for({size!r}, ...): unknown GptConfig field(s) {unknown}; "
+                     f"the fields are {sorted(fields)}.")
+  return dataclasses.replace(SIZES[size], **overrides)
+
+
+def parameter_count(config: GptConfig) -> int:
+  """Number of parameters: embedding (tied, counted once), blocks, final norm."""
+  d = config.d_model
+  per_block = 4 * d * d + 2 * d * config.d_ff + 2 * d  # q, k, v, out; up, down; two norms
+  return config.vocab_size * d + config.n_layers * per_block + d
+
+
+def attention_backend(config: GptConfig, recipe: Recipe | None, batch_size: int,
+                      seq_len: int) -> str:
+  """The attention backend `Gpt(config, recipe)` runs on this platform for [batch_size, seq_len].
+
+  It is the selection fp8jax's attention makes for the model's q, k, v (same
+  static key: platform, bf16, head_dim, causal mask, recipe type), so it names
+  what the model's jitted step really uses: "xla" on a CPU; on a GPU "pallas"
+  (or "pallas_hopper_fp8" / "cudnn") as `fp8jax.attention_backend` explains.
+  """
+  fp8 = recipe is not None and config.fp8_attention
+  qkv = jax.ShapeDtypeStruct((batch_size, seq_len, config.n_heads, config.head_dim),
+                             ACTIVATION_DTYPE)
+  return choose_backend(qkv, qkv, fp8=fp8, causal=True, has_segments=False,
+                        recipe=recipe if fp8 else None, backend=config.attention_backend).name
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding of x [batch, seq, heads, head_dim] at `positions` [seq].
+
+  Feature pairs (x_i, x_{i + D/2}), i < D/2 (the "half-split" layout), are
+  rotated by the angle p * theta_i with theta_i = base**(-2i / D) at position p:
+
+      x_i'       = x_i cos(p theta_i) - x_{i+D/2} sin(p theta_i)
+      x_{i+D/2}' = x_{i+D/2} cos(p theta_i) + x_i sin(p theta_i)
+
+  Seen as complex numbers z_i = x_i + j x_{i+D/2}, that is z_i * exp(j p theta_i),
+  so a query at position m and a key at n have a dot product that depends on
+  m - n only. Computed in float32; returns x's dtype.
+  """
+  half = x.shape[-1] // 2
+  theta = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions.astype(jnp.float32)[:, None] * theta[None, :]        # [seq, D/2]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  """`x / sqrt(mean(x**2, -1) + eps) * scale` in float32, returned in `out_dtype`."""
+
+  eps: float
+  out_dtype: Any = ACTIVATION_DTYPE
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    return (x * scale.astype(jnp.float32)).astype(self.out_dtype)
+
+
+def _dense_general(recipe: Recipe | None, features, *, std: float, axis=-1, name: str):
+  """A bias-free projection: FP8 under a recipe, plain Flax otherwise; same params either way."""
+  kwargs = dict(features=features, axis=axis, use_bias=False, dtype=ACTIVATION_DTYPE,
+                param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(std), name=name)
+  if recipe is None:
+    return nn.DenseGeneral(**kwargs)
+  return Fp8DenseGeneral(recipe=recipe, **kwargs)
+
+
+def _dense(recipe: Recipe | None, features: int, *, std: float, name: str):
+  kwargs = dict(features=features, use_bias=False, dtype=ACTIVATION_DTYPE,
+                param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(std), name=name)
+  if recipe is None:
+    return nn.Dense(**kwargs)
+  return Fp8Dense(recipe=recipe, **kwargs)
+
+
+def _residual_std(config: GptConfig) -> float:
+  return config.init_std / math.sqrt(2 * config.n_layers)
+
+
+class CausalSelfAttention(nn.Module):
+  """q, k, v projections, RoPE on q and k, causal attention, output projection.
+
+  Not `Fp8MultiHeadAttention`: RoPE has to act between the projections and the
+  attention. The state follows that layer's conventions (a `DotMeta` per
+  projection, an `AttentionMeta` named "attention_meta").
+  """
+
+  config: GptConfig
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16."""
+    c, recipe = self.config, self.recipe
+    heads = (c.n_heads, c.head_dim)
+    q = _dense_general(recipe, heads, std=c.init_std, name="query")(x)
+    k = _dense_general(recipe, heads, std=c.init_std, name="key")(x)
+    v = _dense_general(recipe, heads, std=c.init_std, name="value")(x)
+    positions = jnp.arange(x.shape[1])
+    q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
+    if recipe is not None and c.fp8_attention:
+      variable = self.variable(FP8_COLLECTION, "attention_meta", init_attention_meta, recipe)
+      out, new_meta = fp8_attention(q, k, v, variable.value, causal=True,
+                                    backend=c.attention_backend)
+      store_dot_meta(self, variable, new_meta)
+    else:
+      out = attention(q, k, v, causal=True, backend=c.attention_backend)
+    return _dense_general(recipe, c.d_model, axis=(-2, -1), std=_residual_std(c),
+                          name="out")(out)
+
+
+class Mlp(nn.Module):
+  """`down(gelu(up(x)))` with d_ff = mlp_ratio * d_model, bias-free."""
+
+  config: GptConfig
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    h = _dense(self.recipe, c.d_ff, std=c.init_std, name="up")(x)
+    return _dense(self.recipe, c.d_model, std=_residual_std(c), name="down")(nn.gelu(h))
+
+
+class Block(nn.Module):
+  """One pre-norm transformer block; `(x, None) -> (x, None)` for `nn.scan`."""
+
+  config: GptConfig
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+    c = self.config
+    x = x + CausalSelfAttention(c, self.recipe, name="attention")(
+        RMSNorm(c.norm_eps, name="attention_norm")(x))
+    x = x + Mlp(c, self.recipe, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x))
+    return x, None
+
+
+class TiedOutput(nn.Module):
+  """The FP8 output projection `h @ table^T` on the (tied) embedding table, with its own DotMeta."""
+
+  recipe: Recipe
+
+  @nn.compact
+  def __call__(self, h: jax.Array, table: jax.Array) -> jax.Array:
+    variable = dot_meta_variable(self, self.recipe)
+    # table.T makes it a plain [d, vocab] matrix product, the form of fp8jax's lean
+    # FP8 GEMM path (a kernel contracted on its last axis would take the general path).
+    logits, new_meta = fp8_einsum("bsd,dv->bsv", h, table.T, variable.value)
+    store_dot_meta(self, variable, new_meta)
+    return logits
+
+
+class Gpt(nn.Module):
+  """The decoder-only transformer: int tokens [batch, seq] -> float32 logits [batch, seq, vocab].
+
+  Attributes:
+    config: the model's `GptConfig` (see `SIZES`, `config_for`).
+    recipe: an fp8jax recipe (`DelayedScaling()`, `CurrentScaling()`) for the FP8
+      model, or None for its bf16 twin (no "fp8_meta" collection).
+  """
+
+  config: GptConfig
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """tokens: int [batch, seq] in [0, vocab_size), seq <= config.seq_len.
+
+    Returns:
+      float32 logits [batch, seq, vocab_size]; position t sees tokens 0..t only.
+      The logits GEMM accumulates and is written in float32 (in FP8 its inputs
+      are E4M3, in bf16 they are bf16).
+    """
+    c, recipe = self.config, self.recipe
+    if recipe is not None:
+      check_recipe(recipe, "recipe")
+    _check_tokens(tokens, c)
+    embed = nn.Embed(c.vocab_size, c.d_model, dtype=ACTIVATION_DTYPE, param_dtype=PARAM_DTYPE,
+                     embedding_init=nn.initializers.normal(c.init_std), name="embed")
+    x = embed(tokens)
+    block = nn.remat(Block, prevent_cse=False) if c.remat else Block
+    blocks = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0},
+                     split_rngs={"params": True}, length=c.n_layers,
+                     unroll=min(c.scan_unroll, c.n_layers))
+    x, _ = blocks(c, recipe, name="blocks")(x, None)
+    h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, name="final_norm")(x)
+    table = embed.embedding
+    if recipe is None:
+      return jnp.einsum("bsd,vd->bsv", h.astype(ACTIVATION_DTYPE),
+                        table.astype(ACTIVATION_DTYPE), preferred_element_type=jnp.float32)
+    return TiedOutput(recipe, name="head")(h, table)
+
+
+def _check_tokens(tokens, config: GptConfig) -> None:
+  dtype = jnp.result_type(tokens)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"tokens has dtype {dtype}; Gpt takes integer token ids (e.g. "
+                    "tokens.astype(jnp.int32)).")
+  if jnp.ndim(tokens) != 2:
+    raise ValueError(f"tokens must be [batch, seq]; got shape {jnp.shape(tokens)}.")
+  if jnp.shape(tokens)[1] > config.seq_len:
+    raise ValueError(
+        f"tokens has {jnp.shape(tokens)[1]} positions but config.seq_len={config.seq_len}; "
+        "make the config with config_for(size, seq_len=...) for longer sequences.")
