@@ -7,7 +7,10 @@ Public submodules besides the names below: `fp8jax.flax.linen` and
 `fp8jax.flax.nnx` (Flax layers), `fp8jax.checkpoint` (orbax checkpoints; needs
 the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering` (GEMM report and
 cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
-`fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`).
+`fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`),
+and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
+`fp8jax.data` (its embedded corpus) and `fp8jax.runs` (training runs: `fp8jax
+train`, `compare`, `calibrate`).
 """
 # Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
 from fp8jax import platform_guard  # noqa: F401

@@ -81,8 +81,8 @@ def _array_spec(leaf) -> str:
   return f"{np.dtype(leaf.dtype).name}{list(np.shape(leaf))}"
 
 
-def describe(params: Any, opt_state: Any, fp8_state: Any) -> dict:
-  """The JSON description `save` writes: array specs per item and FP8 meta recipes."""
+def describe(params: Any, opt_state: Any, fp8_state: Any, metadata: dict | None = None) -> dict:
+  """The JSON description `save` writes: array specs per item, FP8 meta recipes, metadata."""
   check_fp8_state(fp8_state, "fp8_state")
   arrays = {}
   for name, tree in zip(ITEMS, (params, opt_state, fp8_state)):
@@ -94,11 +94,12 @@ def describe(params: Any, opt_state: Any, fp8_state: Any) -> dict:
         "recipe": describe_recipe(meta.recipe), "fmt": meta.fmt.name,
         "scale_shape": list(np.shape(meta.scale)),
         "history_shape": list(np.shape(meta.amax_history))}
-  return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "fp8_metas": metas}
+  return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "fp8_metas": metas,
+          "metadata": dict(metadata or {})}
 
 
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state: Any,
-         overwrite: bool = False) -> pathlib.Path:
+         overwrite: bool = False, metadata: dict | None = None) -> pathlib.Path:
   """Writes params, optimizer state and FP8 state to `directory`, atomically.
 
   Args:
@@ -107,6 +108,8 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state
       `{}` for an item you do not have.
     overwrite: replace an existing checkpoint at `directory` (the old one is
       deleted before the new one is complete; prefer a new directory per step).
+    metadata: JSON-able facts saved with the arrays, atomically (e.g. the step and
+      the data position of a training run); `read_description(...)["metadata"]`.
 
   Returns:
     The absolute path of the checkpoint.
@@ -120,7 +123,12 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state
     raise FileExistsError(
         f"directory={str(directory)!r} already exists; pass overwrite=True to replace it "
         "or save each step to its own directory.")
-  description = describe(params, opt_state, fp8_state)
+  if metadata is not None:
+    try:
+      json.dumps(metadata)
+    except (TypeError, ValueError) as error:
+      raise TypeError(f"metadata must be JSON-serializable: {error}") from None
+  description = describe(params, opt_state, fp8_state, metadata)
   tree = {"params": params, "opt_state": opt_state, "fp8_state": fp8_state}
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   checkpointer.save(path, args=ocp.args.Composite(

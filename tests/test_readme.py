@@ -10,7 +10,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_starts_with_the_demo_and_test_commands():
   first_block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1)
   assert first_block.splitlines() == [
-      'pip install -e ".[examples]" && python examples/train_mlp.py',
+      'pip install -e ".[examples]" && fp8jax compare',
       'pip install -e ".[test,hopper]" && python -m pytest -q',
   ]
   ci = (README.parent / ".ci" / "run").read_text()

@@ -1,0 +1,72 @@
+"""Helpers the `fp8jax` subcommands share: compile options, factories, one-line errors."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+
+def add_compile_options(parser) -> None:
+  parser.add_argument("--xla-defaults", action="store_true",
+                      help="compile with XLA's default flags instead of "
+                           "xla_gpu_enable_triton_gemm=False")
+  parser.add_argument("--target", choices=("auto", "deviceless", "device"), default="auto",
+                      help="where to compile for (default: auto)")
+
+
+def check_target(target: str) -> None:
+  """Exits with one line when the compile target cannot be used here."""
+  import jax
+
+  from fp8jax import deviceless
+
+  try:
+    has_gpu = jax.default_backend() == "gpu"
+  except RuntimeError:
+    has_gpu = False
+  if target == "device" and not has_gpu:
+    raise SystemExit(f"--target device needs a JAX GPU backend, but the default backend is "
+                     f"{jax.default_backend()!r}; use --target deviceless (or auto) to compile "
+                     "for an H100 without a GPU.")
+  if target == "deviceless" or (target == "auto" and not has_gpu):
+    missing = deviceless.deviceless_toolchain_missing()
+    if missing:
+      raise SystemExit(f"cannot compile for an H100 without a GPU: {missing}")
+
+
+def factory_label(spec: str) -> str:
+  return spec.partition(":")[2] or spec
+
+
+def load_factory(spec: str, flag: str = "--factory"):
+  """(fn, args) from the function of no arguments `spec` ('MODULE:FUNCTION') names."""
+  module_name, sep, attr = spec.partition(":")
+  if not sep or not module_name or not attr:
+    raise SystemExit(f"{flag} {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.train:example.")
+  sys.path.insert(0, os.getcwd())
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise SystemExit(f"{flag} {spec!r}: cannot import {module_name!r} ({e}).") from None
+  factory = getattr(module, attr, None)
+  if not callable(factory):
+    raise SystemExit(f"{flag} {spec!r}: {module_name} has no function {attr!r}.")
+  result = factory()
+  if not (isinstance(result, tuple) and len(result) == 2 and callable(result[0])):
+    raise SystemExit(f"{flag} {spec!r} must return (fn, args), got {type(result).__name__}.")
+  fn, fn_args = result
+  if not isinstance(fn_args, (tuple, list)):
+    raise SystemExit(f"{flag} {spec!r} must return (fn, args) with args a tuple of the "
+                     f"arguments, got args of type {type(fn_args).__name__}.")
+  check_leaves(fn_args, f"{flag} {spec!r}")
+  return fn, tuple(fn_args)
+
+
+def check_leaves(fn_args, where: str) -> None:
+  import jax
+
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tuple(fn_args)):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise SystemExit(f"{where}: args{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
+                       f"({leaf!r}); every leaf must be an array or a jax.ShapeDtypeStruct "
+                       "(close over Python values in fn instead).")

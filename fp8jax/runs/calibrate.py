@@ -1,0 +1,75 @@
+"""`fp8jax calibrate`: FP8 state for a bf16 checkpoint, so FP8 training starts without a spike.
+
+A bf16 run has no FP8 state. Continuing it in FP8 from fresh state starts every
+scale at 1: until the amax histories fill, activations, weights and gradients
+are cast with scales that do not fit them (small gradients flush to zero,
+large activations saturate). Calibration runs `steps` forward and backward
+passes on the run's next training batches that only record amaxes (the
+parameters and the optimizer state are not touched), then closes each step as
+training would, and saves a checkpoint with the same parameters, optimizer
+state and step, and the filled FP8 state.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+
+import fp8jax
+import fp8jax.checkpoint  # noqa: F401  (orbax: the "examples" and "checkpoint" extras)
+from fp8jax.data import corpus as corpus_lib
+from fp8jax.runs.config import RunConfig, RunError
+from fp8jax.runs.train import (build, compiled_steps, load_corpus, restore_checkpoint,
+                               save_checkpoint)
+
+
+def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
+              progress: bool = True) -> pathlib.Path:
+  """Writes `<out_dir>/checkpoints/step_N`: `checkpoint` plus calibrated FP8 state.
+
+  Args:
+    checkpoint: a checkpoints/step_* directory of a bf16 fp8jax run.
+    out_dir: the run directory of the FP8 continuation (`fp8jax train --resume`
+      there continues it).
+    recipe: the FP8 recipe to calibrate for ("delayed" or "current").
+    steps: calibration steps (fills up to that many history entries).
+    progress: show progress.
+
+  Returns:
+    The new checkpoint's path.
+  """
+  checkpoint = pathlib.Path(checkpoint)
+  if recipe == "bf16":
+    raise RunError("--recipe bf16 has no FP8 state to calibrate; pick an FP8 recipe.")
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise RunError(f"--steps {steps!r} must be a positive integer.")
+  try:
+    metadata = fp8jax.checkpoint.read_description(checkpoint).get("metadata") or {}
+  except (FileNotFoundError, ValueError) as error:
+    raise RunError(f"checkpoint {str(checkpoint)!r}: {error}") from None
+  if "config" not in metadata:
+    raise RunError(f"checkpoint {str(checkpoint)!r} was not written by an fp8jax run.")
+  config = RunConfig.from_dict(metadata["config"]).replace(recipe=recipe)
+  out_dir = pathlib.Path(out_dir)
+  if (out_dir / "checkpoints").exists():
+    raise RunError(f"{str(out_dir)!r} already holds checkpoints; choose another --out.")
+  corpus = load_corpus(config)
+  model, tx, _ = build(config)
+  params, opt_state, fp8_state, step = restore_checkpoint(checkpoint, model, tx, config, corpus)
+  # The training step's own forward and backward, with its parameter update dropped.
+  train_step, _ = compiled_steps(config)
+  iterator = range(steps)
+  if progress:
+    from tqdm import tqdm
+    iterator = tqdm(iterator, desc="calibrate", unit="step")
+  for i in iterator:
+    batch = jnp.asarray(corpus_lib.train_batch(corpus.train, step + 1 + i, config.batch,
+                                               config.seq, config.seed))
+    _, _, fp8_state, _, _ = train_step(params, opt_state, fp8_state, batch)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = save_checkpoint(out_dir, step, params, opt_state, fp8_state, config, corpus)
+  (out_dir / "calibration.json").write_text(json.dumps(
+      {"from": str(checkpoint.name), "recipe": recipe, "steps": steps, "step": step,
+       "config": config.to_dict()}, indent=1))
+  return path

@@ -1,0 +1,99 @@
+"""What a demo training run is: its settings, its recipe, and the errors a user can meet.
+
+A run trains the byte-level GPT of `fp8jax.models.gpt` on an embedded corpus
+(`fp8jax.data`) with one recipe: "bf16" (no FP8), "delayed" or "current".
+Every setting lives in `RunConfig`, which is saved with each checkpoint and in
+the run's `run.json`, so a run can be resumed and compared exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import fp8jax
+
+RECIPES = {
+    "bf16": None,
+    "delayed": fp8jax.DelayedScaling(amax_history_len=16),
+    "current": fp8jax.CurrentScaling(),
+}
+
+
+class RunError(ValueError):
+  """A run that cannot start or continue; the message is one line naming the cause and fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The settings of one training run.
+
+  Attributes:
+    recipe: "bf16", "delayed" or "current" (see `RECIPES`).
+    size: a model size of `fp8jax.models.gpt.SIZES` ("tiny" on a CPU).
+    steps: optimizer steps to train (the last step's number).
+    batch: sequences per step.
+    seq: tokens per sequence (the model sees `seq`, predicts the next `seq`).
+    seed: parameter initialization and batch order.
+    lr: peak learning rate of AdamW (linear warm-up, then cosine decay to 10%).
+    warmup_steps: warm-up length.
+    weight_decay: AdamW decoupled weight decay.
+    eval_every: validation loss every this many steps (and at the end).
+    eval_batches: validation batches per evaluation.
+    checkpoint_every: a checkpoint every this many steps (and at the end).
+    data: a text file to train on, or None for the Python standard library's source.
+    max_data_bytes: how much of the text to use.
+  """
+
+  recipe: str = "delayed"
+  size: str = "tiny"
+  steps: int = 250
+  batch: int = 16
+  seq: int = 128
+  seed: int = 0
+  lr: float = 3e-3
+  warmup_steps: int = 30
+  weight_decay: float = 0.1
+  eval_every: int = 100
+  eval_batches: int = 8
+  checkpoint_every: int = 100
+  data: str | None = None
+  max_data_bytes: int = 4 * 2**20
+
+  def __post_init__(self):
+    if self.recipe not in RECIPES:
+      raise RunError(f"--recipe {self.recipe!r} is not one of {sorted(RECIPES)}.")
+    from fp8jax.models import gpt  # the model module imports Flax; keep this module light
+    if self.size not in gpt.SIZES:
+      raise RunError(f"--size {self.size!r} is not one of {list(gpt.SIZES)}.")
+    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "checkpoint_every",
+                 "max_data_bytes"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RunError(f"--{name.replace('_', '-')} {value!r} must be a positive integer.")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+      raise RunError(f"--seed {self.seed!r} must be a non-negative integer.")
+    if not self.lr > 0:
+      raise RunError(f"--lr {self.lr!r} must be positive.")
+    if not 0 <= self.warmup_steps:
+      raise RunError(f"--warmup-steps {self.warmup_steps!r} must be >= 0.")
+
+  @property
+  def recipe_object(self):
+    """The fp8jax recipe (None for bf16)."""
+    return RECIPES[self.recipe]
+
+  def replace(self, **changes) -> "RunConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, values: dict) -> "RunConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+# Settings that must agree for a checkpoint to continue a run (the rest may change,
+# e.g. more steps, or another recipe after `fp8jax calibrate`).
+MODEL_FIELDS = ("size", "seq")
+DATA_FIELDS = ("batch", "seed", "data", "max_data_bytes")

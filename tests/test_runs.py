@@ -1,0 +1,198 @@
+"""The demo's training runs: learning, exact resume, calibration, comparison files, user errors.
+
+Small settings throughout (the tiny model, a few dozen steps of 8 x 64 tokens on a
+slice of the standard library's source), so each run takes seconds on a CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax import runs
+from fp8jax.cli import main
+from fp8jax.runs import plots
+from fp8jax.runs.train import METRICS, checkpoint_dirs
+
+# One `steps` value for every run here: runs that agree on the model and optimizer
+# share their compiled steps (fp8jax.runs.train.compiled_steps), which keeps this fast.
+SMALL = dict(size="tiny", steps=24, batch=8, seq=64, lr=3e-3, warmup_steps=5, eval_every=12,
+             eval_batches=2, max_data_bytes=400_000)
+
+
+def _config(**changes):
+  return runs.RunConfig(**{**SMALL, **changes})
+
+
+def _metric_lines(out_dir):
+  return plots.read_metrics(pathlib.Path(out_dir) / METRICS)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "delayed"])
+def test_loss_falls_and_every_step_is_recorded(recipe, tmp_path):
+  result = runs.train(_config(recipe=recipe, checkpoint_every=12), tmp_path, progress=False)
+  # Byte-level text: the loss starts near ln(256) = 5.5 and must clearly fall.
+  assert result.losses[0] > 4.5
+  assert np.mean(result.losses[-5:]) < np.mean(result.losses[:5]) - 1.0
+  lines = _metric_lines(tmp_path)
+  steps = [line["step"] for line in lines if "loss" in line]
+  assert steps == list(range(1, 25))
+  assert sorted(result.val_losses) == [12, 24]
+  assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_0000012", "step_0000024"]
+  summary = json.loads((tmp_path / "run.json").read_text())
+  assert summary["attention_backend"] == result.attention_backend == "xla"
+  if recipe == "delayed":
+    record = lines[-2]["fp8"] if "fp8" not in lines[-1] else lines[-1]["fp8"]
+    assert record and all(min(r["scale"]) > 0 for r in record.values())
+    # Every role saw a real amax in the last step.
+    assert all(min(r["amax"]) > 0 for r in record.values())
+
+
+def test_killed_and_resumed_run_gives_the_losses_of_an_uninterrupted_run(tmp_path):
+  config = _config(recipe="delayed", checkpoint_every=8)
+  whole = runs.train(config, tmp_path / "whole", progress=False)
+  runs.train(config, tmp_path / "split", progress=False, stop_after=13)  # killed after 13
+  assert checkpoint_dirs(tmp_path / "split")[-1].name == "step_0000008"
+  resumed = runs.train(config, tmp_path / "split", resume=True, progress=False)
+  assert resumed.losses == whole.losses  # bitwise: same batches, same compiled step
+  strip = lambda lines: [{k: v for k, v in line.items() if not k.startswith(("step_time",
+                                                                              "tokens_per"))}
+                         for line in lines]
+  assert strip(_metric_lines(tmp_path / "split")) == strip(_metric_lines(tmp_path / "whole"))
+  restored = [fp8jax.checkpoint.restore(
+      d / "checkpoints" / "step_0000024", params=p, opt_state=o, fp8_state=s)
+      for d, (p, o, s) in ((tmp_path / name, _targets(config)) for name in ("whole", "split"))]
+  for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _targets(config):
+  from fp8jax.runs.train import build, init_state
+  model, tx, _ = build(config)
+  return jax.eval_shape(lambda: init_state(model, tx, config))
+
+
+def test_calibration_changes_no_weight_and_fills_every_history(tmp_path):
+  """Calibration records amaxes only, and leaves scales that fit the tensors.
+
+  Fresh FP8 state casts every tensor with scale 1: after a bf16 run the output
+  gradients (amax around 1e-2 and below) would use a sliver of E5M2's range (max
+  57344) and their small entries flush to zero in the first FP8 steps.
+  Calibrated state places each role's window amax on its format's max, as
+  training does once its histories fill.
+  """
+  bf16 = runs.train(_config(recipe="bf16", checkpoint_every=20), tmp_path / "bf16",
+                    progress=False, stop_after=20)
+  path = runs.calibrate(bf16.checkpoint, tmp_path / "fp8", recipe="delayed", steps=4,
+                        progress=False)
+  config = _config(recipe="delayed")
+  params, opt_state, fp8_state = _targets(config)
+  calibrated = fp8jax.checkpoint.restore(path, params=params, opt_state=opt_state,
+                                         fp8_state=fp8_state)
+  before = fp8jax.checkpoint.restore(bf16.checkpoint, params=params, opt_state=opt_state,
+                                     fp8_state={})
+  for item in ("params", "opt_state"):
+    for a, b in zip(jax.tree.leaves(calibrated[item]), jax.tree.leaves(before[item])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  metas = jax.tree.leaves(calibrated["fp8_state"],
+                          is_leaf=lambda n: isinstance(n, fp8jax.Fp8Meta))
+  assert metas
+  for meta in metas:
+    history = np.asarray(meta.amax_history)
+    assert np.all(history[..., :4] > 0) and np.all(history[..., 4:] == 0)  # 4 steps recorded
+    used = np.max(history, axis=-1) * np.asarray(meta.scale) / meta.fmt.max
+    np.testing.assert_allclose(used, 1.0, rtol=1e-6)  # the amax lands on the format's max
+  grads = [m for path_, m in jax.tree_util.tree_leaves_with_path(
+      calibrated["fp8_state"], is_leaf=lambda n: isinstance(n, fp8jax.Fp8Meta))
+           if jax.tree_util.keystr(path_).endswith(".grad")]
+  # With scale 1 (fresh state) the gradients would use less than 2**-12 of E5M2's range.
+  assert grads and all(np.max(np.asarray(m.amax_history)) / m.fmt.max < 2**-12 for m in grads)
+  # The calibrated run continues in FP8 from the bf16 run's step.
+  resumed = runs.train(config, tmp_path / "fp8", resume=True, progress=False)
+  assert len(resumed.losses) == 4
+
+
+def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
+  report = runs.compare(_config(checkpoint_every=24), tmp_path,
+                        recipes=("bf16", "delayed", "current"), progress=False)
+  saved = json.loads((tmp_path / "compare.json").read_text())
+  assert saved == json.loads(json.dumps(report))
+  assert [run["recipe"] for run in saved["runs"]] == ["bf16", "delayed", "current"]
+  by_recipe = {run["recipe"]: run for run in saved["runs"]}
+  assert by_recipe["bf16"]["rel_gap_vs_bf16"] == 0.0
+  for run in saved["runs"]:
+    assert set(run) == {"recipe", "final_loss", "rel_gap_vs_bf16", "val_loss", "tokens_per_s",
+                        "step_time_s", "attention_backend"}
+    assert run["final_loss"] > 0 and run["tokens_per_s"] > 0
+    gap = run["final_loss"] / by_recipe["bf16"]["final_loss"] - 1
+    assert run["rel_gap_vs_bf16"] == pytest.approx(gap, rel=1e-12)
+  import matplotlib.image
+  for name in ("compare.png", "fp8_scales.png"):
+    image = matplotlib.image.imread(tmp_path / name)
+    # A drawn figure: many distinct colours, not a blank canvas.
+    assert image.shape[0] > 200 and len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 20
+  assert "delayed" in runs.table(report) and "%" in runs.table(report)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "does/not/exist.txt"], "does/not/exist.txt"),
+    (["--steps", "0"], "--steps 0 must be a positive integer"),
+    (["--recipe", "fp4"], "--recipe 'fp4' is not one of"),
+    (["--size", "huge"], "--size 'huge' is not one of"),
+])
+def test_bad_input_is_one_line_never_a_traceback(argv, message, tmp_path, capsys):
+  status = main(["train", "--out", str(tmp_path / "run"), *argv])
+  err = capsys.readouterr().err.strip()
+  assert status == 2
+  assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content,message", [(b"", "empty"), (b"\x00\x01\x02" * 3000, "text")])
+def test_data_that_is_empty_or_not_text_is_refused_in_one_line(content, message, tmp_path,
+                                                                 capsys):
+  path = tmp_path / "data.txt"
+  path.write_bytes(content)
+  status = main(["train", "--out", str(tmp_path / "run"), "--data", str(path)])
+  err = capsys.readouterr().err.strip()
+  assert status == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_a_checkpoint_of_another_size_is_refused_in_one_line(tmp_path, capsys):
+  runs.train(_config(recipe="bf16", checkpoint_every=2), tmp_path / "tiny", progress=False,
+             stop_after=2)
+  status = main(["train", "--out", str(tmp_path / "tiny"), "--resume", "--size", "small",
+                 "--seq", "64", "--batch", "8", "--steps", "4"])
+  err = capsys.readouterr().err.strip()
+  assert status == 2 and "size='tiny'" in err and len(err.splitlines()) == 1
+
+
+def test_ctrl_c_leaves_the_last_complete_checkpoint_loadable(tmp_path):
+  out = tmp_path / "run"
+  command = [sys.executable, "-m", "fp8jax.cli", "train", "--out", str(out), "--recipe",
+             "delayed", "--steps", "100000", "--batch", "4", "--seq", "32", "--checkpoint-every",
+             "3", "--eval-every", "1000"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 240
+  while time.monotonic() < deadline and len(checkpoint_dirs(out)) < 2:
+    time.sleep(0.2)
+  assert checkpoint_dirs(out), "no checkpoint was written in time"
+  process.send_signal(signal.SIGINT)
+  _, err = process.communicate(timeout=120)
+  assert process.returncode == 130, err.decode()[-2000:]
+  assert "interrupted after step" in err.decode() and "--resume" in err.decode()
+  newest = checkpoint_dirs(out)[-1]
+  config = runs.RunConfig(recipe="delayed", steps=100000, batch=4, seq=32)
+  params, opt_state, fp8_state = _targets(config)
+  restored = fp8jax.checkpoint.restore(newest, params=params, opt_state=opt_state,
+                                       fp8_state=fp8_state)
+  assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
