@@ -20,8 +20,10 @@ import pytest
 import fp8jax
 from fp8jax import runs
 from fp8jax.cli import main
-from fp8jax.runs import plots
-from fp8jax.runs.train import METRICS, checkpoint_dirs
+from fp8jax.runs import checkpoints, metrics
+from fp8jax.runs.steps import build, init_state
+
+checkpoint_dirs = checkpoints.complete
 
 # One `steps` value for every run here: runs that agree on the model and optimizer
 # share their compiled steps (fp8jax.runs.train.compiled_steps), which keeps this fast.
@@ -34,7 +36,7 @@ def _config(**changes):
 
 
 def _metric_lines(out_dir):
-  return plots.read_metrics(pathlib.Path(out_dir) / METRICS)
+  return metrics.read(pathlib.Path(out_dir) / metrics.FILE)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "delayed"])
@@ -50,6 +52,15 @@ def test_loss_falls_and_every_step_is_recorded(recipe, tmp_path):
   assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_0000012", "step_0000024"]
   summary = json.loads((tmp_path / "run.json").read_text())
   assert summary["attention_backend"] == result.attention_backend == "xla"
+  # The logged learning rate follows the documented schedule (written out here
+  # independently): linear warm-up from lr / w to lr over w updates, then a cosine to
+  # lr / 10 at `steps` updates; step s is optax's update number s - 1.
+  lrs = [line["lr"] for line in lines if "lr" in line]
+  lr, w, n = result.config.lr, result.config.warmup_steps, result.config.steps
+  want = [lr / w + (lr - lr / w) * t / w if t < w else
+          lr / 10 + (lr - lr / 10) * 0.5 * (1 + np.cos(np.pi * (t - w) / (n - w)))
+          for t in range(n)]
+  np.testing.assert_allclose(lrs, want, rtol=1e-5)  # float32 schedule arithmetic
   if recipe == "delayed":
     record = lines[-2]["fp8"] if "fp8" not in lines[-1] else lines[-1]["fp8"]
     assert record and all(min(r["scale"]) > 0 for r in record.values())
@@ -76,7 +87,6 @@ def test_killed_and_resumed_run_gives_the_losses_of_an_uninterrupted_run(tmp_pat
 
 
 def _targets(config):
-  from fp8jax.runs.train import build, init_state
   model, tx, _ = build(config)
   return jax.eval_shape(lambda: init_state(model, tx, config))
 
@@ -132,9 +142,12 @@ def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
   for run in saved["runs"]:
     assert set(run) == {"recipe", "final_loss", "rel_gap_vs_bf16", "val_loss", "tokens_per_s",
                         "step_time_s", "attention_backend"}
-    assert run["final_loss"] > 0 and run["tokens_per_s"] > 0
-    gap = run["final_loss"] / by_recipe["bf16"]["final_loss"] - 1
-    assert run["rel_gap_vs_bf16"] == pytest.approx(gap, rel=1e-12)
+    losses = [line["loss"] for line in _metric_lines(tmp_path / run["recipe"]) if "loss" in line]
+    assert len(losses) == 24 and run["tokens_per_s"] > 0
+    # final_loss is the mean training loss over the last 10% of the steps (2 of 24).
+    assert run["final_loss"] == pytest.approx(np.mean(losses[-2:]), rel=1e-12)
+    assert run["rel_gap_vs_bf16"] == pytest.approx(
+        np.mean(losses[-2:]) / by_recipe["bf16"]["final_loss"] - 1, rel=1e-12)
   import matplotlib.image
   for name in ("compare.png", "fp8_scales.png"):
     image = matplotlib.image.imread(tmp_path / name)
@@ -170,9 +183,20 @@ def test_a_checkpoint_of_another_size_is_refused_in_one_line(tmp_path, capsys):
   runs.train(_config(recipe="bf16", checkpoint_every=2), tmp_path / "tiny", progress=False,
              stop_after=2)
   status = main(["train", "--out", str(tmp_path / "tiny"), "--resume", "--size", "small",
-                 "--seq", "64", "--batch", "8", "--steps", "4"])
+                 "--steps", "4"])
   err = capsys.readouterr().err.strip()
   assert status == 2 and "size='tiny'" in err and len(err.splitlines()) == 1
+  # Starting another run into a directory that holds one is refused too.
+  newest = str(checkpoint_dirs(tmp_path / "tiny")[-1])
+  status = main(["train", "--out", str(tmp_path / "tiny"), "--init-from", newest])
+  err = capsys.readouterr().err.strip()
+  assert status == 2 and "already holds a run's checkpoints" in err
+
+
+def test_compare_refuses_a_recipe_named_twice_before_training(tmp_path, capsys):
+  status = main(["compare", "--out", str(tmp_path), "--recipes", "bf16,delayed,bf16"])
+  err = capsys.readouterr().err.strip()
+  assert status == 2 and "names a recipe twice" in err and not any(tmp_path.iterdir())
 
 
 def test_ctrl_c_leaves_the_last_complete_checkpoint_loadable(tmp_path):
@@ -189,10 +213,21 @@ def test_ctrl_c_leaves_the_last_complete_checkpoint_loadable(tmp_path):
   process.send_signal(signal.SIGINT)
   _, err = process.communicate(timeout=120)
   assert process.returncode == 130, err.decode()[-2000:]
-  assert "interrupted after step" in err.decode() and "--resume" in err.decode()
+  message = err.decode().strip().splitlines()[-1]
+  reported = int(message.split("interrupted after step ")[1].split(";")[0])
   newest = checkpoint_dirs(out)[-1]
-  config = runs.RunConfig(recipe="delayed", steps=100000, batch=4, seq=32)
+  assert newest.name in message and "fp8jax train --resume --out" in message
+  # The step in progress finished: its metrics line is the last one, and complete.
+  assert _metric_lines(out)[-1]["step"] == reported
+  config = runs.RunConfig(recipe="delayed", steps=100000, batch=4, seq=32,
+                          schedule_steps=100000)
   params, opt_state, fp8_state = _targets(config)
   restored = fp8jax.checkpoint.restore(newest, params=params, opt_state=opt_state,
                                        fp8_state=fp8_state)
   assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
+  # `--resume` with nothing but --out continues it with the run's own settings.
+  status = main(["train", "--resume", "--out", str(out), "--steps",
+                 str(int(newest.name.split("_")[1]) + 2)])
+  assert status == 0
+  assert [line["step"] for line in _metric_lines(out) if "loss" in line][-2:] == [
+      int(newest.name.split("_")[1]) + 1, int(newest.name.split("_")[1]) + 2]

@@ -1,7 +1,7 @@
 """`fp8jax calibrate CKPT`: FP8 state for a bf16 checkpoint, ready for FP8 training."""
 from __future__ import annotations
 
-from fp8jax.cli.runs import run_guarded
+from fp8jax.cli.run_options import run_guarded
 
 
 def add_parser(commands) -> None:
@@ -23,7 +23,7 @@ def run(args) -> int:
     path = runs.calibrate(args.checkpoint, args.out, recipe=args.recipe, steps=args.steps)
     print(f"wrote {path}: the parameters and optimizer state of {args.checkpoint} with "
           f"{args.steps} steps of calibrated {args.recipe} FP8 state; continue with: fp8jax "
-          f"train --resume --out {args.out} --recipe {args.recipe} --steps N")
+          f"train --resume --out {args.out} --steps N")
     return 0
 
-  return run_guarded(work)
+  return run_guarded(work, resume_hint=f"fp8jax calibrate {args.checkpoint} --out {args.out}")

@@ -1,7 +1,7 @@
 """`fp8jax compare`: the demo GPT trained in bf16 and in each FP8 recipe, side by side."""
 from __future__ import annotations
 
-from fp8jax.cli.runs import add_run_options, config_from, run_guarded
+from fp8jax.cli.run_options import add_run_options, config_from, run_guarded
 
 
 def add_parser(commands) -> None:
@@ -12,21 +12,29 @@ def add_parser(commands) -> None:
                   "fp8_scales.png to --out.")
   add_run_options(parser, default_out="out/compare")
   parser.add_argument("--recipes", default="bf16,delayed,current",
-                      help="comma-separated recipes, bf16 first (default bf16,delayed,current)")
+                      help="comma-separated recipes, bf16 among them (default "
+                           "bf16,delayed,current)")
+  parser.add_argument("--resume", action="store_true",
+                      help="continue an interrupted comparison in --out")
 
 
 def run(args) -> int:
   from fp8jax import runs
+  from fp8jax.runs import checkpoints
 
   def work():
     recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
     for recipe in recipes:
       if recipe not in runs.RECIPES:
         raise runs.RunError(f"--recipes: {recipe!r} is not one of {sorted(runs.RECIPES)}.")
-    config = config_from(args, recipe=recipes[0] if recipes else "bf16")
-    report = runs.compare(config, args.out, recipes=recipes)
+    base = None
+    if args.resume:
+      found = [c for r in recipes for c in checkpoints.complete(f"{args.out}/{r}")[-1:]]
+      base = checkpoints.saved_config(found[0])[0] if found else None
+    config = config_from(args, "bf16", base=base)
+    report = runs.compare(config, args.out, recipes=recipes, resume=args.resume)
     print(runs.table(report))
-    print(f"wrote {args.out}/compare.json, {args.out}/compare.png, {args.out}/fp8_scales.png")
+    print(f"wrote {', '.join(f'{args.out}/{name}' for name in report['files'])}")
     return 0
 
-  return run_guarded(work)
+  return run_guarded(work, resume_hint=f"fp8jax compare --resume --out {args.out}")

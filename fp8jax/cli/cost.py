@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from fp8jax.cli.common import add_compile_options, check_target, factory_label, load_factory
+from fp8jax.cli.compile_options import add_compile_options, check_target
+from fp8jax.cli.factory import factory_label, load_factory
 
 # `fp8jax cost --recipe NAME`: the public recipe each name builds.
 _RECIPES = {"delayed": "DelayedScaling", "current": "CurrentScaling"}

@@ -5,7 +5,8 @@ import glob
 import os
 import sys
 
-from fp8jax.cli.common import add_compile_options, load_factory
+from fp8jax.cli.compile_options import add_compile_options
+from fp8jax.cli.factory import load_factory
 
 
 def add_parser(commands) -> None:

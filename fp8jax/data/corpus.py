@@ -80,12 +80,13 @@ class Corpus:
   """Byte tokens for training and validation, and where they came from.
 
   Attributes:
-    train: uint8 [n_train], the first part of the bytes used.
-    validation: uint8 [n_validation], the bytes right after `train`.
+    train: uint8 [n_train], the training blocks of the bytes used, in order.
+    validation: uint8 [n_validation], the validation blocks (every tenth one for a
+      validation fraction of 0.1; see `split_blocks`), in order.
     description: JSON-serializable dict: `source` ("python-stdlib" or "file"), the
       directory or path, `python_version` (stdlib), `num_files`, `bytes_used`,
-      `order`, `split` and `sha256` (hex digest of the bytes used, train followed
-      by validation), so two runs can tell whether they trained on the same text.
+      `order`, `split` and `sha256` (hex digest of the bytes used, in their original
+      order), so two runs can tell whether they trained on the same text.
   """
 
   train: np.ndarray

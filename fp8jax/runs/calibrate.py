@@ -11,17 +11,17 @@ state and step, and the filled FP8 state.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 
 import jax.numpy as jnp
 
-import fp8jax
-import fp8jax.checkpoint  # noqa: F401  (orbax: the "examples" and "checkpoint" extras)
 from fp8jax.data import corpus as corpus_lib
-from fp8jax.runs.config import RunConfig, RunError
-from fp8jax.runs.train import (build, compiled_steps, load_corpus, restore_checkpoint,
-                               save_checkpoint)
+from fp8jax.runs import checkpoints
+from fp8jax.runs.config import RunError
+from fp8jax.runs.steps import compiled_steps
+from fp8jax.runs.train import load_corpus
 
 
 def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
@@ -44,23 +44,23 @@ def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
     raise RunError("--recipe bf16 has no FP8 state to calibrate; pick an FP8 recipe.")
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
     raise RunError(f"--steps {steps!r} must be a positive integer.")
-  try:
-    metadata = fp8jax.checkpoint.read_description(checkpoint).get("metadata") or {}
-  except (FileNotFoundError, ValueError) as error:
-    raise RunError(f"checkpoint {str(checkpoint)!r}: {error}") from None
-  if "config" not in metadata:
-    raise RunError(f"checkpoint {str(checkpoint)!r} was not written by an fp8jax run.")
-  config = RunConfig.from_dict(metadata["config"]).replace(recipe=recipe)
+  saved, _ = checkpoints.saved_config(checkpoint)
+  if saved.recipe != "bf16":
+    raise RunError(f"checkpoint {str(checkpoint)!r} is from a {saved.recipe} run, which has "
+                   "FP8 state already; calibrate a bf16 run's checkpoint.")
+  config = saved.replace(recipe=recipe)
   out_dir = pathlib.Path(out_dir)
-  if (out_dir / "checkpoints").exists():
+  if out_dir.exists() and not out_dir.is_dir():
+    raise RunError(f"--out {str(out_dir)!r} is a file; pass a directory.")
+  if (out_dir / checkpoints.DIRECTORY).exists():
     raise RunError(f"{str(out_dir)!r} already holds checkpoints; choose another --out.")
   corpus = load_corpus(config)
-  model, tx, _ = build(config)
-  params, opt_state, fp8_state, step = restore_checkpoint(checkpoint, model, tx, config, corpus)
+  params, opt_state, fp8_state, step = checkpoints.restore(checkpoint, config, corpus,
+                                                           continuing=False)
   # The training step's own forward and backward, with its parameter update dropped.
   train_step, _ = compiled_steps(config)
   iterator = range(steps)
-  if progress:
+  if progress and importlib.util.find_spec("tqdm") is not None:
     from tqdm import tqdm
     iterator = tqdm(iterator, desc="calibrate", unit="step")
   for i in iterator:
@@ -68,7 +68,7 @@ def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
                                                config.seq, config.seed))
     _, _, fp8_state, _, _ = train_step(params, opt_state, fp8_state, batch)
   out_dir.mkdir(parents=True, exist_ok=True)
-  path = save_checkpoint(out_dir, step, params, opt_state, fp8_state, config, corpus)
+  path = checkpoints.save(out_dir, step, params, opt_state, fp8_state, config, corpus)
   (out_dir / "calibration.json").write_text(json.dumps(
       {"from": str(checkpoint.name), "recipe": recipe, "steps": steps, "step": step,
        "config": config.to_dict()}, indent=1))

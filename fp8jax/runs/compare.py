@@ -7,30 +7,34 @@ Every run uses the same settings, seed and data (only the recipe differs), in
                                 "tokens_per_s", "step_time_s", "attention_backend"}, ...]}
 
 with `final_loss` the mean training loss over the last 10% of steps and
-`rel_gap_vs_bf16 = final_loss / bf16's final_loss - 1`, and drawn as
-`<out>/compare.png` (loss curves) and `<out>/fp8_scales.png` (per-layer scales
-over the steps of the first FP8 run).
+`rel_gap_vs_bf16 = final_loss / bf16's final_loss - 1` (and `files`: what was
+written), and drawn as `<out>/compare.png` (loss curves) and
+`<out>/fp8_scales.png` (per-layer scales over the steps of the first FP8 run),
+when matplotlib is installed.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 
-from fp8jax.runs import plots
+from fp8jax.runs import checkpoints, metrics, plots
 from fp8jax.runs.config import RunConfig, RunError
-from fp8jax.runs.train import METRICS, RunResult, train
+from fp8jax.runs.train import RunResult, train
 
 DEFAULT_RECIPES = ("bf16", "delayed", "current")
 
 
-def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool = True) -> dict:
+def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool = True,
+            resume: bool = False) -> dict:
   """Trains `config` once per recipe and writes the comparison.
 
   Args:
     config: the shared settings (its `recipe` is replaced by each of `recipes`).
     out_dir: the comparison's directory; each run goes to `<out_dir>/<recipe>`.
-    recipes: recipe names; "bf16" first is the baseline (it must be among them).
+    recipes: distinct recipe names, "bf16" (the baseline) among them.
     progress: progress bars.
+    resume: continue an interrupted comparison: each run resumes from its newest
+      checkpoint (a finished run only reloads its results).
 
   Returns:
     The `compare.json` contents.
@@ -38,15 +42,22 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   recipes = tuple(recipes)
   if "bf16" not in recipes:
     raise RunError(f"compare needs the bf16 baseline among its recipes, got {recipes}.")
+  if len(set(recipes)) != len(recipes):
+    raise RunError(f"--recipes {','.join(recipes)} names a recipe twice.")
   out_dir = pathlib.Path(out_dir)
-  for recipe in recipes:
-    existing = out_dir / recipe
-    if (existing / "checkpoints").exists():
-      raise RunError(f"{str(out_dir)!r} already holds a comparison ({existing.name}/ has "
-                     "checkpoints); choose another --out or remove it.")
+  started = [r for r in recipes if checkpoints.complete(out_dir / r)]
+  if started and not resume:
+    raise RunError(f"{str(out_dir)!r} already holds a comparison ({started[0]}/ has "
+                   "checkpoints); pass --resume to continue it, or choose another --out.")
   results: dict[str, RunResult] = {}
   for recipe in recipes:
-    results[recipe] = train(config.replace(recipe=recipe), out_dir / recipe, progress=progress)
+    run_config = config.replace(recipe=recipe)
+    found = checkpoints.complete(out_dir / recipe)
+    if found and checkpoints.saved_config(found[-1])[1] >= config.steps:
+      results[recipe] = _finished(run_config, out_dir / recipe)
+    else:
+      results[recipe] = train(run_config, out_dir / recipe, progress=progress,
+                              resume=bool(found))
   baseline = results["bf16"].final_loss()
   runs = []
   for recipe, result in results.items():
@@ -58,14 +69,29 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
                  "attention_backend": result.attention_backend})
   report = {"config": {k: v for k, v in config.to_dict().items() if k != "recipe"},
             "runs": runs}
-  (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
-  curves = {recipe: [result.out_dir / METRICS] for recipe, result in results.items()}
-  plots.loss_curves(curves, out_dir / "compare.png")
+  curves = {recipe: [result.out_dir / metrics.FILE] for recipe, result in results.items()}
+  written = [plots.loss_curves(curves, out_dir / "compare.png")]
   fp8_runs = [r for r in recipes if r != "bf16"]
   if fp8_runs:
-    plots.scale_heatmap(results[fp8_runs[0]].out_dir / METRICS, out_dir / "fp8_scales.png",
-                        title=f"FP8 scales per layer and role ({fp8_runs[0]} scaling)")
+    written.append(plots.scale_heatmap(
+        results[fp8_runs[0]].out_dir / metrics.FILE, out_dir / "fp8_scales.png",
+        title=f"FP8 scales per layer and role ({fp8_runs[0]} scaling)"))
+  report["files"] = ["compare.json"] + [path.name for path in written if path is not None]
+  (out_dir / "compare.json").write_text(json.dumps(metrics.finite(report), indent=1))
   return report
+
+
+def _finished(config: RunConfig, run_dir: pathlib.Path) -> RunResult:
+  """The results of a run that already reached its last step (from its files)."""
+  lines = metrics.read(run_dir / metrics.FILE)
+  summary = json.loads((run_dir / "run.json").read_text())
+  return RunResult(config=config, out_dir=run_dir,
+                   losses=[line["loss"] for line in lines if "loss" in line],
+                   val_losses={line["step"]: line["val_loss"] for line in lines
+                               if "val_loss" in line},
+                   tokens_per_s=summary["tokens_per_s"], step_time_s=summary["step_time_s"],
+                   attention_backend=summary["attention_backend"],
+                   checkpoint=checkpoints.complete(run_dir)[-1])
 
 
 def table(report: dict) -> str:

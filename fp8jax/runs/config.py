@@ -30,6 +30,9 @@ class RunConfig:
     recipe: "bf16", "delayed" or "current" (see `RECIPES`).
     size: a model size of `fp8jax.models.gpt.SIZES` ("tiny" on a CPU).
     steps: optimizer steps to train (the last step's number).
+    schedule_steps: the length of the learning-rate schedule, fixed when the run
+      starts (None: `steps`); a run resumed with more steps continues past it at
+      the schedule's final learning rate.
     batch: sequences per step.
     seq: tokens per sequence (the model sees `seq`, predicts the next `seq`).
     seed: parameter initialization and batch order.
@@ -46,6 +49,7 @@ class RunConfig:
   recipe: str = "delayed"
   size: str = "tiny"
   steps: int = 250
+  schedule_steps: int | None = None
   batch: int = 16
   seq: int = 128
   seed: int = 0
@@ -69,12 +73,25 @@ class RunConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RunError(f"--{name.replace('_', '-')} {value!r} must be a positive integer.")
-    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-      raise RunError(f"--seed {self.seed!r} must be a non-negative integer.")
-    if not self.lr > 0:
-      raise RunError(f"--lr {self.lr!r} must be positive.")
-    if not 0 <= self.warmup_steps:
-      raise RunError(f"--warmup-steps {self.warmup_steps!r} must be >= 0.")
+    for name in ("seed", "warmup_steps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RunError(f"--{name.replace('_', '-')} {value!r} must be a non-negative integer.")
+    if self.schedule_steps is not None and (
+        isinstance(self.schedule_steps, bool) or not isinstance(self.schedule_steps, int)
+        or self.schedule_steps < 1):
+      raise RunError(f"schedule_steps={self.schedule_steps!r} must be a positive integer.")
+    for name in ("lr", "weight_decay"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (
+          name == "lr" and value == 0):
+        raise RunError(f"--{name.replace('_', '-')} {value!r} must be a "
+                       f"{'positive' if name == 'lr' else 'non-negative'} number.")
+
+  @property
+  def schedule_length(self) -> int:
+    """The learning-rate schedule's length in steps."""
+    return self.schedule_steps if self.schedule_steps is not None else self.steps
 
   @property
   def recipe_object(self):
@@ -93,7 +110,9 @@ class RunConfig:
     return cls(**{k: v for k, v in values.items() if k in known})
 
 
-# Settings that must agree for a checkpoint to continue a run (the rest may change,
-# e.g. more steps, or another recipe after `fp8jax calibrate`).
+# Settings that must agree for a checkpoint to continue a run. The rest may change:
+# more steps (past `schedule_steps` at the final learning rate), evaluation and
+# checkpoint intervals, and the recipe when continuing a bf16 run in FP8.
 MODEL_FIELDS = ("size", "seq")
 DATA_FIELDS = ("batch", "seed", "data", "max_data_bytes")
+OPTIMIZER_FIELDS = ("lr", "warmup_steps", "weight_decay", "schedule_steps")

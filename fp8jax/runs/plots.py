@@ -5,25 +5,22 @@ None and write nothing.
 """
 from __future__ import annotations
 
-import json
 import pathlib
+import sys
 
 import numpy as np
 
-
-def read_metrics(path) -> list[dict]:
-  """The lines of a `metrics.jsonl`."""
-  return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()
-          if line.strip()]
+from fp8jax.runs import metrics
 
 
 def _pyplot():
   try:
     import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
   except ImportError:
     return None
+  if "matplotlib.pyplot" not in sys.modules:
+    matplotlib.use("Agg")  # files only; a notebook that chose its backend keeps it
+  import matplotlib.pyplot as plt
   return plt
 
 
@@ -39,15 +36,16 @@ def loss_curves(runs: dict, path, smooth: int = 10):
     return None
   fig, ax = plt.subplots(figsize=(8, 4.5))
   for label, files in runs.items():
-    lines = [line for f in files for line in read_metrics(f)]
-    steps = np.array([l["step"] for l in lines if "loss" in l])
-    losses = np.array([l["loss"] for l in lines if "loss" in l])
+    lines = [line for f in files for line in metrics.read(f)]
+    steps = np.array([line["step"] for line in lines if "loss" in line])
+    losses = np.array([line["loss"] for line in lines if "loss" in line])
     if len(losses) >= smooth:
       kernel = np.ones(smooth) / smooth
-      ax.plot(steps[smooth - 1:], np.convolve(losses, kernel, mode="valid"), label=f"{label} train")
+      ax.plot(steps[smooth - 1:], np.convolve(losses, kernel, mode="valid"),
+              label=f"{label} train")
     else:
       ax.plot(steps, losses, label=f"{label} train")
-    val = [(l["step"], l["val_loss"]) for l in lines if "val_loss" in l]
+    val = [(line["step"], line["val_loss"]) for line in lines if "val_loss" in line]
     if val:
       ax.plot(*zip(*val), "o--", label=f"{label} val")
   ax.set_xlabel("step")
@@ -66,15 +64,15 @@ def scale_heatmap(metrics_path, path, title: str = "FP8 scales"):
   plt = _pyplot()
   if plt is None:
     return None
-  lines = [l for l in read_metrics(metrics_path) if "fp8" in l]
+  lines = [line for line in metrics.read(metrics_path) if "fp8" in line]
   if not lines:
     return None
   names = []
   for name, record in lines[0]["fp8"].items():
     names += [name] if len(record["scale"]) == 1 else [
         f"{name}[{i}]" for i in range(len(record["scale"]))]
-  grid = np.array([[s for record in l["fp8"].values() for s in record["scale"]]
-                   for l in lines]).T
+  grid = np.array([[s for record in line["fp8"].values() for s in record["scale"]]
+                   for line in lines]).T
   fig, ax = plt.subplots(figsize=(9, max(3.0, 0.18 * len(names) + 1.5)))
   image = ax.imshow(np.log2(grid), aspect="auto", interpolation="nearest", cmap="viridis",
                     extent=(lines[0]["step"] - 0.5, lines[-1]["step"] + 0.5, len(names) - 0.5,

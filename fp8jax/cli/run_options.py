@@ -1,0 +1,73 @@
+"""The options of the run subcommands (train, compare), and their one-line errors.
+
+Every option defaults to "not given": a new run takes `RunConfig`'s defaults
+(the CPU demo) for what is not given; a resumed run takes the settings it was
+started with, so `fp8jax train --resume --out DIR` alone continues it exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+# option -> (RunConfig field, type, help)
+OPTIONS = {
+    "--size": ("size", str, "model size: tiny (CPU default), small, 125m, 350m, 1b"),
+    "--steps": ("steps", int, "train until this step (default 250)"),
+    "--batch": ("batch", int, "sequences per step (default 16)"),
+    "--seq": ("seq", int, "tokens per sequence (default 128)"),
+    "--seed": ("seed", int, "initialization and batch order (default 0)"),
+    "--lr": ("lr", float, "peak learning rate of AdamW (default 3e-3)"),
+    "--eval-every": ("eval_every", int, "validation every N steps (default 100)"),
+    "--checkpoint-every": ("checkpoint_every", int, "checkpoint every N steps (default 100)"),
+    "--data": ("data", str, "train on this text file instead of the standard library's source"),
+}
+
+
+def add_run_options(parser, default_out: str) -> None:
+  """The `RunConfig` settings as options, and --out."""
+  for flag, (field, kind, help_text) in OPTIONS.items():
+    parser.add_argument(flag, dest=field, type=kind, default=None,
+                        metavar=field.upper() if flag != "--data" else "PATH", help=help_text)
+  parser.add_argument("--out", default=default_out, help=f"output directory (default {default_out})")
+
+
+def config_from(args, recipe: str | None, base=None):
+  """The `RunConfig` the options describe: given options over `base` (a saved run's
+  settings) or over the defaults."""
+  from fp8jax.runs import RunConfig
+
+  given = {field: getattr(args, field) for field, _, _ in OPTIONS.values()
+           if getattr(args, field, None) is not None}
+  if recipe is not None:
+    given["recipe"] = recipe
+  if base is None:
+    return RunConfig(**given)
+  return dataclasses.replace(base, **given)
+
+
+def run_guarded(work, resume_hint: str) -> int:
+  """Runs `work()`; user errors become one line on stderr (status 2), Ctrl-C status 130.
+
+  `resume_hint` is the command that continues after Ctrl-C.
+  """
+  from fp8jax.data.corpus import CorpusError
+  from fp8jax.runs import RunError, RunInterrupted
+
+  try:
+    return work()
+  except (RunError, CorpusError) as error:
+    print(f"fp8jax: {error}", file=sys.stderr)
+    return 2
+  except OSError as error:  # e.g. --out not writable, a disk full
+    where = f" {error.filename}" if error.filename else ""
+    print(f"fp8jax: cannot use{where}: {error.strerror or error}", file=sys.stderr)
+    return 2
+  except RunInterrupted as stop:
+    where = f"{stop.checkpoint}" if stop.checkpoint else "none yet"
+    print(f"\nfp8jax: interrupted after step {stop.step}; the newest complete checkpoint "
+          f"({where}) is loadable; continue with: {resume_hint}", file=sys.stderr)
+    return 130
+  except KeyboardInterrupt:
+    print("\nfp8jax: interrupted before training started; nothing was written.",
+          file=sys.stderr)
+    return 130
