@@ -12,6 +12,9 @@ Backends:
   "pallas_hopper_fp8" FP8 forward on Hopper FP8 tensor cores (Mosaic GPU,
                       wgmma e4m3), with the Pallas backward kernels.
   "cudnn"             `jax.nn.dot_product_attention(implementation="cudnn")`, bf16.
+                      Not for causal attention with q_len != kv_len: jax drives
+                      cuDNN's causal mask top-left aligned, fp8jax's is
+                      bottom-right (see fp8jax.fused_attention).
   "xla"               plain XLA attention (`jax.nn.dot_product_attention` with
                       implementation="xla"): the reference path, and the
                       automatic choice on a CPU (bf16 and FP8).
@@ -55,6 +58,8 @@ class BackendKey:
     gqa_ratio: query heads per key/value head.
     size_class: "aligned" when both sequence lengths are equal multiples of 128
       (what the Hopper FP8 kernel needs), else "unaligned".
+    equal_lengths: q_len == kv_len (a causal mask is then the same whether
+      aligned top-left or bottom-right).
   """
 
   platform: str
@@ -66,6 +71,7 @@ class BackendKey:
   recipe_type: str | None
   gqa_ratio: int
   size_class: str
+  equal_lengths: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +91,8 @@ def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: 
   return BackendKey(platform=platform, gpu_arch=gpu_arch, dtype=str(dtype), fp8=fp8,
                     head_dim=int(q_shape[-1]), mask=mask, recipe_type=recipe_type,
                     gqa_ratio=int(q_shape[2] // k_shape[2]),
-                    size_class="aligned" if aligned else "unaligned")
+                    size_class="aligned" if aligned else "unaligned",
+                    equal_lengths=q_len == kv_len)
 
 
 def _why_not_hopper_fp8(key: BackendKey) -> str | None:
@@ -147,6 +154,10 @@ def _cannot_run(name: str, key: BackendKey) -> str | None:
     if key.head_dim % 8 or key.head_dim > CUDNN_MAX_HEAD_DIM:
       return (f"cuDNN attention needs head_dim a multiple of 8 and at most "
               f"{CUDNN_MAX_HEAD_DIM}, got {key.head_dim}")
+    if "causal" in key.mask and not key.equal_lengths:
+      return ("causal attention with q_len != kv_len is aligned bottom-right in fp8jax "
+              "(query i sees keys j <= i + kv_len - q_len), but jax drives cuDNN's causal "
+              "mask top-left (j <= i); use backend='pallas' or 'xla', or None to choose")
   return None
 
 
@@ -156,15 +167,15 @@ def _choose(key: BackendKey) -> BackendChoice:
     # but slower than XLA's own attention (forward+backward of [16, 128, 2, 64],
     # causal, on 2 cores: bf16 40 ms vs 8 ms, FP8 55 ms vs 8 ms). XLA is the fast
     # path here, for any head_dim, hence no warning. Its FP8 form
-    # (fused_attention._fp8_forward) quantizes q, k, v with their roles' scales and
-    # records the same amaxes as the kernel, but keeps P in float32 (the kernel
-    # rounds P to E4M3): ask for backend="pallas" to emulate the kernel exactly.
+    # (fused_attention._fp8_forward) does the kernel's arithmetic in plain jnp
+    # (E4M3 rounding of P included) and records the same amaxes.
     return BackendChoice("xla")
   if key.head_dim not in PALLAS_HEAD_DIMS:
     reason = f"head_dim {key.head_dim} is not one of the fused kernel's {PALLAS_HEAD_DIMS}"
-    if _cannot_run("cudnn", key) is None:
+    why_not_cudnn = _cannot_run("cudnn", key)
+    if why_not_cudnn is None:
       return BackendChoice("cudnn", reason)
-    return BackendChoice("xla", reason)
+    return BackendChoice("xla", f"{reason}, and cuDNN cannot run it ({why_not_cudnn})")
   if key.platform != "gpu":
     return BackendChoice("xla", f"no fused kernel for the {key.platform} platform")
   if key.fp8:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from fp8jax import weight_reuse
 from fp8jax.amax import amax, amax_max
+from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import quantize
@@ -73,7 +74,9 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   layout = matrix_layout(dims, x.shape, kernel.shape)
   reused = _reused_kernel(kernel, meta.kernel, layout) if not varying_axes(x, kernel) else None
   x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
-  return _fp8_dot(x, kernel, meta, reused, dims, jnp.dtype(kernel.dtype), layout)
+  with reverse_mode_only("An FP8 matmul (fp8jax.fp8_dot_general, under fp8_dense, fp8_einsum "
+                         "and the Flax FP8 layers)", "jax.lax.dot_general / jnp.einsum"):
+    return _fp8_dot(x, kernel, meta, reused, dims, jnp.dtype(kernel.dtype), layout)
 
 
 def _reused_kernel(kernel, meta, layout):

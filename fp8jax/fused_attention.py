@@ -4,8 +4,18 @@
     out, meta = fp8_attention(q, k, v, meta, causal=True)         # FP8 q, k, v and P
 
 Layout [batch, seq, heads, head_dim]; k and v may have fewer heads than q
-(grouped-query / multi-query attention). Padding is expressed with segment ids:
-a query attends to keys of equal id only.
+(grouped-query / multi-query attention).
+
+Semantics, the same on every backend:
+  * Segment ids: query i attends to key j only if q_segment_ids[b, i] ==
+    kv_segment_ids[b, j] (padding: give padded tokens an id of their own).
+  * Causal masks are aligned bottom-right, as in FlashAttention >= 2.1: query i
+    attends to keys j <= i + (kv_len - q_len), so the last query sees every key
+    (decoding with a KV cache). For q_len == kv_len this is j <= i.
+  * A query row that sees no key (all keys masked by segment ids or causality,
+    e.g. the first q_len - kv_len rows of a causal call with q_len > kv_len)
+    outputs 0 and passes no gradient: its dq row is 0 and it adds nothing to dk
+    or dv.
 
 FP8 (`fp8_attention`): q, k, v are quantized to E4M3 with their roles' scales
 (delayed or current, as the recipe says); the kernel multiplies the descales
@@ -14,7 +24,11 @@ the P.V product, and returns a bf16 output and max|O|. The forward records the
 amaxes of q, k, v and o in the returned meta; the backward records the output
 gradient's amax in the meta's cotangent (role `grad`), as `fp8jax.fp8_dot_general`
 does, so `fp8jax.value_and_grad` threads it the same way. The backward is
-straight-through: exact-attention gradients at the dequantized q, k, v.
+straight-through: exact-attention gradients at the dequantized q, k, v. The
+"xla" FP8 path does the Pallas kernel's arithmetic, E4M3 rounding of P
+included (`pallas_kernels.fp8_forward_reference`), so the two
+agree up to float32 summation order (on a GPU also up to the kernel's
+approximate exp2, which can move a probability across an E4M3 rounding edge).
 
 The backend is chosen once per static configuration by
 `fp8jax.attention_backend.select_backend`; off the fast path it warns once.
@@ -28,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.attention_backend import BackendChoice, make_key, select_backend
+from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
 from fp8jax.amax import amax
 from fp8jax.scaling import quantize_with_meta
@@ -126,9 +141,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               sm_scale: float | None = None, backend: str | None = None) -> jax.Array:
   """Fused attention in bf16/f16 (f32 inputs are computed in bf16 by the fused kernel).
 
+  Every backend computes the same attention (see the module docstring): segment ids
+  and a bottom-right aligned causal mask select the keys each query sees, and a
+  query row that sees no key outputs 0 and gets no gradient.
+
   Args:
     q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim].
-    causal: query i attends to keys j <= i.
+    causal: query i attends to keys j <= i + kv_len - q_len (bottom-right aligned).
     q_segment_ids, kv_segment_ids: optional int [batch, seq]; attend within equal ids.
     sm_scale: logit multiplier (default 1/sqrt(head_dim)).
     backend: force "pallas", "cudnn" or "xla"; None chooses.
@@ -140,20 +159,45 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   choice = choose_backend(q, k, fp8=False, causal=causal,
                           has_segments=q_segment_ids is not None, backend=backend)
   if choice.name == "pallas":
-    return pallas_kernels.flash_attention(
-        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        causal=causal, sm_scale=sm_scale)
+    with reverse_mode_only("fp8jax.attention with backend 'pallas'",
+                           "fp8jax.attention with backend='xla'",
+                           why="its derivative is the fused kernel's own backward pass"):
+      return pallas_kernels.flash_attention(
+          q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+          causal=causal, sm_scale=sm_scale)
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
                              implementation=choice.name).astype(q.dtype)
 
 
+def _visible_keys(q_len, kv_len, causal, q_segment_ids, kv_segment_ids):
+  """Boolean [batch or 1, 1, q_len, kv_len]: which keys each query sees, or None if all."""
+  mask = None
+  if causal:
+    offset = kv_len - q_len  # bottom-right alignment
+    mask = (jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + offset)[None, None]
+  if q_segment_ids is not None:
+    same = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+    mask = same if mask is None else mask & same
+  return mask
+
+
 def _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
                         implementation):
-  mask = None
-  if q_segment_ids is not None:
-    mask = (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, is_causal=causal,
-                                      implementation=implementation)
+  q_len, kv_len = q.shape[1], k.shape[1]
+  # jax's is_causal is aligned top-left (key j <= query i): right for equal lengths
+  # only (where cuDNN gets its causal kernel from it); otherwise the mask carries it.
+  native_causal = causal and q_len == kv_len
+  mask = _visible_keys(q_len, kv_len, causal and not native_causal, q_segment_ids,
+                       kv_segment_ids)
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale,
+                                     is_causal=native_causal, implementation=implementation)
+  if q_segment_ids is None and not (causal and q_len > kv_len):
+    return out  # every row sees at least one key
+  # jax gives a row that sees no key the mean of v; the semantics say 0. The product
+  # also zeroes that row's cotangent, hence its dq and its share of dk and dv.
+  visible = _visible_keys(q_len, kv_len, causal, q_segment_ids, kv_segment_ids)
+  has_key = jnp.any(visible, axis=-1)  # [batch or 1, 1, q_len]
+  return out * jnp.moveaxis(has_key, 1, 2)[..., None].astype(out.dtype)
 
 
 def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, *,
@@ -166,8 +210,10 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
     q: [batch, q_len, heads, head_dim], bf16/f16/f32 (quantized here with `meta.q`).
     k, v: [batch, kv_len, kv_heads, head_dim] (quantized with `meta.k`, `meta.v`).
     meta: this attention's `AttentionMeta` (from `init_attention_meta(recipe)`).
-    causal, q_segment_ids, kv_segment_ids, sm_scale: as for `attention`.
-    backend: force "pallas", "pallas_hopper_fp8" or "xla"; None chooses.
+    causal, q_segment_ids, kv_segment_ids, sm_scale: as for `attention` (bottom-right
+      causal; a query row that sees no key outputs 0 and gets no gradient).
+    backend: force "pallas", "pallas_hopper_fp8" or "xla"; None chooses. "xla" does
+      the "pallas" kernel's arithmetic, E4M3 rounding of P included.
 
   Returns:
     (out, new_meta): out [batch, q_len, heads, head_dim] in q's dtype (bf16
@@ -183,7 +229,8 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
                           backend=backend)
   call = _Call(choice.name, causal, sm_scale)
-  return _fp8_attention(q, k, v, meta, q_segment_ids, kv_segment_ids, call)
+  with reverse_mode_only("fp8jax.fp8_attention", "fp8jax.attention (bf16)"):
+    return _fp8_attention(q, k, v, meta, q_segment_ids, kv_segment_ids, call)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -198,10 +245,13 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
   v8, scale_v, meta_v = quantize_with_meta(v, meta.v)
   descales = (1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v)
   if call.backend == "xla":
-    dequantized = [(x8.astype(jnp.float32) * d) for x8, d in zip((q8, k8, v8), descales)]
-    out = _xla_like_attention(*dequantized, call.causal, q_seg, kv_seg, call.sm_scale, "xla")
-    out_amax, lse = amax(out), None
-    out = out.astype(jnp.bfloat16)
+    # The FP8 kernel's arithmetic in plain jnp; it lives beside the kernel because it
+    # follows the kernel's tiling.
+    result = pallas_kernels.fp8_forward_reference(
+        q8, k8, v8, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
+        q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal,
+        sm_scale=call.sm_scale)
+    out, out_amax, lse = result.out, result.out_amax, None
   else:
     out, out_amax, lse = _fused_fp8_forward(call.backend, q8, k8, v8, descales, q_seg, kv_seg,
                                             call)

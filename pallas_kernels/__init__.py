@@ -22,12 +22,14 @@ from pallas_kernels.cast_transpose import (CastTransposeBlockSizes, cast_transpo
 from pallas_kernels.cast_transpose import amax as running_amax
 from pallas_kernels.scale_update import amax_max, close_steps, close_steps_reference
 from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention,
-                                            flash_attention_backward, flash_attention_forward)
+                                            flash_attention_backward, flash_attention_forward,
+                                            fp8_forward_reference)
 from pallas_kernels.flash_attention_fp8_hopper import (
     flash_attention_fp8 as hopper_fp8_attention_forward, transpose_v)
 
 __all__ = [
     "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "cast_transpose_amax",
-    "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention", "flash_attention_backward",
-    "flash_attention_forward", "hopper_fp8_attention_forward", "running_amax", "transpose_v",
+    "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
+    "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
+    "hopper_fp8_attention_forward", "running_amax", "transpose_v",
 ]

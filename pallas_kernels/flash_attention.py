@@ -12,8 +12,12 @@ Math (per batch b and query head h, with kv head h // (num_heads / num_kv_heads)
   O = P v,   lse[i] = log(sum_j exp(S[i, j]))
 
 The mask allows (i, j) when `q_segment_ids[b, i] == kv_segment_ids[b, j]` (if
-segment ids are given) and `j <= i` (if causal; positions counted from the
-start of both sequences).
+segment ids are given) and `j <= i + kv_len - q_len` (if causal). Causal masks
+are aligned bottom-right, as in FlashAttention >= 2.1: the last query row sees
+every key, which is what decoding with a KV cache needs; with q_len == kv_len
+this is `j <= i`. With q_len > kv_len the first q_len - kv_len rows see no key.
+A row that sees no key gives O = 0 and lse = -inf, and it passes no gradient:
+its dQ row is 0 and it adds nothing to dK or dV.
 
 Forward (FlashAttention-2): one program per (q block, batch, head) keeps its q
 tile resident, streams k/v tiles, and carries the running row max m, the row
@@ -24,11 +28,12 @@ writes O, lse and the row-wise max|O| (for the delayed scaling of the output).
 FP8 forward: q, k, v are E4M3 arrays with float32 *descale* factors
 (`x = x_fp8 * descale_x`). The descales ride in a small float32 operand, so new
 scale values never retrace or recompile. The logits are `dot(q8, k8) *
-(descale_q * descale_k * sm_scale)`. P (in [0, 1]) is quantized to E4M3 as
-`P * 256` for the P.v product, whose float32 result is multiplied by
-`descale_v / 256`. The row sum l uses the unrounded P, so lse is the exact
-one of the dequantized inputs. The output is bf16, or E4M3 `saturate(O *
-out_scale)` when `out_scale` is given.
+(descale_q * descale_k * sm_scale)`. P (in [0, 1], relative to the running
+row max of the key blocks seen so far) is quantized to E4M3 as `P * 256` for
+the P.v product, whose float32 result is multiplied by `descale_v / 256`. The
+row sum l uses the unrounded P, so lse is the exact one of the dequantized
+inputs. The output is bf16, or E4M3 `saturate(O * out_scale)` when `out_scale`
+is given. `fp8_forward_reference` is this arithmetic in plain jnp.
 
 Backward (FlashAttention-2, recompute from lse, deterministic, no atomics):
   delta = rowsum(dO * O)                              (XLA, float32)
@@ -191,6 +196,11 @@ class _Tiling:
     return self.kv_len % self.block_kv != 0
 
   @property
+  def causal_offset(self) -> int:
+    """kv_len - q_len: a causal query i sees keys j <= i + causal_offset (bottom-right)."""
+    return self.kv_len - self.q_len
+
+  @property
   def num_q_blocks(self) -> int:
     return _cdiv(self.q_len, self.block_q)
 
@@ -233,18 +243,23 @@ def _block_mask(tiling: _Tiling, q_start, kv_start, q_seg, kv_seg):
   if tiling.kv_tail:
     mask = both(mask, kv_pos < tiling.kv_len)
   if tiling.causal:
-    mask = both(mask, kv_pos <= q_pos)
+    mask = both(mask, kv_pos <= q_pos + tiling.causal_offset)
   if tiling.segmented:
     mask = both(mask, q_seg[:, None] == kv_seg[None, :])
   return mask
 
 
 def _causal_kv_block_limit(tiling: _Tiling, q_block):
-  """Number of key blocks a query block visits (causal: only those at or before its last row)."""
+  """Number of key blocks a query block visits (causal: those its last row sees).
+
+  0 when no row of the block sees a key (q_len > kv_len): the loop then never
+  runs and the rows keep l == 0, which the forward turns into O = 0.
+  """
   if not tiling.causal:
     return tiling.num_kv_blocks
-  last_row_end = (q_block + 1) * tiling.block_q
-  return jnp.minimum(lax.div(last_row_end + tiling.block_kv - 1, tiling.block_kv),
+  # The block's last row, (q_block + 1) * block_q - 1, sees keys below this end.
+  keys_end = jnp.maximum((q_block + 1) * tiling.block_q + tiling.causal_offset, 0)
+  return jnp.minimum(lax.div(keys_end + tiling.block_kv - 1, tiling.block_kv),
                      tiling.num_kv_blocks)
 
 
@@ -465,8 +480,10 @@ def _dkdv_kernel(*refs, tiling: _Tiling, sm_scale: float, scaled: bool):
     dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=jnp.float32)
     return dk, dv
 
-  # Causal: query rows before this block's first key never see it.
-  first_q_block = lax.div(kv_start, block_q) if tiling.causal else 0
+  # Causal: rows i < kv_start - causal_offset never see this block's keys.
+  first_q_block = 0
+  if tiling.causal:
+    first_q_block = lax.div(jnp.maximum(kv_start - tiling.causal_offset, 0), block_q)
   zeros = jnp.zeros((block_kv, head_dim), jnp.float32)
   dk, dv = lax.fori_loop(first_q_block, tiling.num_q_blocks, body, (zeros, zeros))
   dk_ref[...] = (dk * multipliers.dk).astype(dk_ref.dtype)
@@ -613,7 +630,8 @@ def _is_fp8(x) -> bool:
   return jnp.dtype(x.dtype) in (E4M3, jnp.dtype(jnp.float8_e5m2))
 
 
-def _check_qkv(q, k, v) -> None:
+def _check_qkv(q, k, v, any_head_dim: bool = False) -> None:
+  """Shapes and dtypes the kernels take; `any_head_dim` for the jnp references."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(
@@ -627,7 +645,7 @@ def _check_qkv(q, k, v) -> None:
   if k.shape[3] != head_dim:
     raise ValueError(
         f"q and k must have the same head_dim, got q {q.shape} and k {k.shape}.")
-  if head_dim not in SUPPORTED_HEAD_DIMS:
+  if head_dim not in SUPPORTED_HEAD_DIMS and not any_head_dim:
     raise ValueError(
         f"head_dim={head_dim} (q.shape[3]) is not supported; use one of "
         f"{SUPPORTED_HEAD_DIMS}. Otherwise zero-pad q, k and v to a supported head_dim and "
@@ -718,7 +736,8 @@ def flash_attention_forward(
     out_scale: optional float32[]; the output is then E4M3 `saturate(O * out_scale)`.
     q_segment_ids, kv_segment_ids: optional int [batch, q_len] / [batch, kv_len]; a
       query attends only to keys of equal id (padding: give padded tokens their own id).
-    causal: query i attends only to keys j <= i.
+    causal: query i attends only to keys j <= i + kv_len - q_len (bottom-right
+      aligned; j <= i for equal lengths). Rows that see no key give 0.
     sm_scale: logit multiplier, default 1/sqrt(head_dim).
     block_sizes: tiles and launch knobs; default `BlockSizes.for_head_dim(head_dim)`.
     interpret: run the Pallas interpreter; default: when the default backend is CPU.
@@ -980,6 +999,17 @@ def segment_ids_from_lengths(lengths: jax.Array, seq_len: int) -> jax.Array:
   return (jnp.arange(seq_len)[None, :] < lengths[:, None]).astype(jnp.int32)
 
 
+def _reference_mask(q_len: int, kv_len: int, causal: bool, q_seg, kv_seg):
+  """Boolean [batch or 1, 1, q_len, kv_len] of allowed (query, key) pairs (the kernels' mask)."""
+  allowed = jnp.ones((1, 1, q_len, kv_len), bool)
+  if causal:
+    offset = kv_len - q_len  # bottom-right alignment
+    allowed &= jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + offset
+  if q_seg is not None:
+    allowed &= q_seg[:, None, :, None] == kv_seg[:, None, None, :]
+  return allowed
+
+
 def attention_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, *,
     descale_q: jax.Array | None = None, descale_k: jax.Array | None = None,
@@ -989,8 +1019,9 @@ def attention_reference(
 ) -> jax.Array:
   """Plain-jnp attention in float32 with the kernels' semantics (for tests and fallbacks).
 
-  Same layout, masking, GQA and E4M3 descale conventions as `flash_attention_forward`
-  (P is not rounded to E4M3 here). A row with no allowed key gives 0.
+  Same layout, masking (bottom-right causal), GQA and E4M3 descale conventions as
+  `flash_attention_forward`; P is not rounded to E4M3 here (`fp8_forward_reference`
+  does that as the kernel does). A row with no allowed key gives 0.
 
   Returns:
     float32 [batch, q_len, num_heads, head_dim].
@@ -1008,12 +1039,7 @@ def attention_reference(
   k = jnp.repeat(k, group, axis=2)
   v = jnp.repeat(v, group, axis=2)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * sm_scale
-  allowed = jnp.ones(logits.shape, bool)
-  if causal:
-    q_pos = jnp.arange(q.shape[1])[:, None]
-    allowed = allowed & (jnp.arange(k.shape[1])[None, :] <= q_pos)
-  if q_seg is not None:
-    allowed = allowed & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+  allowed = _reference_mask(q.shape[1], k.shape[1], causal, q_seg, kv_seg)
   logits = jnp.where(allowed, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -1021,3 +1047,76 @@ def attention_reference(
   total = jnp.sum(weights, axis=-1, keepdims=True)
   probs = weights / jnp.where(total > 0, total, 1.0)
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def fp8_forward_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, *,
+    descale_q: jax.Array, descale_k: jax.Array, descale_v: jax.Array,
+    q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+    causal: bool = False, sm_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+) -> AttentionForward:
+  """The FP8 forward kernel's arithmetic in plain jnp (no Pallas), e.g. for an XLA path.
+
+  The kernel (see the module docstring) computes base-2 logits
+  `s = dot(q8, k8) * (sm_scale * log2(e) * descale_q * descale_k)` and, per key block
+  of `block_kv` keys, `p = 2^(s - m)` with m the running row max over the blocks seen
+  so far; it rounds `p * P_SCALE` to E4M3 for the P.v product and rescales earlier
+  blocks' products by `2^(m_old - m_new)` when m grows. The row sum l uses the
+  unrounded p. Here each block's p is rounded against that same running max and
+  weighted by `2^(m_block - m_row)`, so P's E4M3 values equal the kernel's and the
+  results differ only by float32 summation order.
+
+  Args:
+    q, k, v: float8_e4m3fn, shapes as for `flash_attention_forward`.
+    descale_q, descale_k, descale_v: float32[] (`x = x_fp8 * descale`).
+    q_segment_ids, kv_segment_ids, causal, sm_scale: as for `flash_attention_forward`.
+    block_sizes: the kernel's tiles (only block_kv matters); default as the kernel's.
+
+  Returns:
+    `AttentionForward` as the kernel returns it: out bf16, out_amax f32[] = max |O|
+    (before the bf16 cast), lse f32[batch, num_heads, q_len].
+  """
+  _check_qkv(q, k, v, any_head_dim=True)  # the XLA path runs every head_dim
+  if q.dtype != E4M3:
+    raise TypeError(f"fp8_forward_reference takes float8_e4m3fn q, k, v; got {q.dtype}.")
+  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q, k)
+  options = _options(q, causal, sm_scale, block_sizes, interpret=False)
+  descales = (_scalar_f32(descale_q, "descale_q"), _scalar_f32(descale_k, "descale_k"),
+              _scalar_f32(descale_v, "descale_v"))
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  block_kv = _fit(options.block_sizes.block_kv, kv_len)
+  num_blocks = _cdiv(kv_len, block_kv)
+
+  # [b, kv_heads, group, q, kv]: products of E4M3 values are exact in float32.
+  qf = q.astype(jnp.float32).reshape(batch, q_len, num_kv_heads, group, head_dim)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST) * _logit_multiplier(options.sm_scale, descales)
+  allowed = _reference_mask(q_len, kv_len, causal, q_seg, kv_seg)[:, :, None]
+  s = jnp.where(allowed, s, MASK_VALUE)
+  # The kernel's key blocks; keys past kv_len are masked as in its last block.
+  pad = [(0, 0)] * 4 + [(0, num_blocks * block_kv - kv_len)]
+  s_blocks = jnp.pad(s, pad, constant_values=MASK_VALUE)
+  allowed_blocks = jnp.pad(jnp.broadcast_to(allowed, s.shape), pad)
+  s_blocks = s_blocks.reshape(*s.shape[:-1], num_blocks, block_kv)
+  allowed_blocks = allowed_blocks.reshape(s_blocks.shape)
+  block_max = jnp.max(s_blocks, axis=-1)
+  m_block = lax.cummax(block_max, axis=block_max.ndim - 1)  # the kernel's running max
+  m_row = m_block[..., -1:]
+  p = jnp.where(allowed_blocks, jnp.exp2(s_blocks - m_block[..., None]), 0.0)
+  rescale = jnp.exp2(m_block - m_row)[..., None]
+  l = jnp.sum(p * rescale, axis=(-2, -1))  # [b, kv_heads, group, q]
+  p8 = (p * P_SCALE).astype(E4M3).astype(jnp.float32) * rescale
+  p8 = p8.reshape(*s.shape[:-1], num_blocks * block_kv)[..., :kv_len]
+  acc = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+  # l == 0 only for a row with no allowed key: its output is 0, its lse -inf.
+  l_safe = jnp.moveaxis(jnp.where(l > 0.0, l, 1.0), 3, 1)[..., None]  # as acc
+  o = acc * ((descales[2] * (1.0 / P_SCALE)) / l_safe)
+  o = o.reshape(batch, q_len, num_heads, head_dim)
+  lse = (m_row[..., 0] + jnp.log2(l)).reshape(batch, num_heads, q_len) * (1.0 / LOG2E)
+  # initial=0: the amax of an empty batch is 0 (nothing observed).
+  return AttentionForward(out=o.astype(jnp.bfloat16), out_amax=jnp.max(jnp.abs(o), initial=0.0),
+                          lse=lse)

@@ -116,7 +116,8 @@ def test_bf16_attention_matches_float64_reference_with_segments():
 
 def _key(**changes):
   base = dict(platform="gpu", gpu_arch="sm_90", dtype="bfloat16", fp8=True, head_dim=128,
-              mask="causal", recipe_type="DelayedScaling", gqa_ratio=2, size_class="aligned")
+              mask="causal", recipe_type="DelayedScaling", gqa_ratio=2, size_class="aligned",
+              equal_lengths=True)
   return attention_backend.BackendKey(**{**base, **changes})
 
 

@@ -97,8 +97,8 @@ def _reference(q, k, v, dout, q_seg, kv_seg, causal, sm_scale, delta_out=None):
   k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   s = np.einsum("bqhd,bkhd->bhqk", q, k_rep) * sm_scale
   allowed = np.ones(s.shape, bool)
-  if causal:
-    allowed &= np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+  if causal:  # bottom-right aligned: query i sees keys j <= i + kv_len - q_len
+    allowed &= np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + (kv_len - q_len)
   if q_seg is not None:
     allowed &= np.asarray(q_seg)[:, None, :, None] == np.asarray(kv_seg)[:, None, None, :]
   masked = np.where(allowed, s, -np.inf)
