@@ -14,11 +14,34 @@ converted silently. To move FP8 state to another recipe, restore it with the
 recipes it was saved with (`keep_saved_recipes=True`) and convert it explicitly
 with `fp8jax.resize_history`.
 
-Versions: version 2 stores the four-field `Fp8Meta` (scale, scale_inv,
-amax_history, amax). Version 1 (fp8jax 0.1.0) stored scale and amax_history
-only; `restore` reads it into today's layout, with `scale_inv = 1 / scale` and a
-running amax of 0: exactly the state `end_step` would have returned, so
-training continues with the same scales.
+Integrity: version 3 records a CRC-32 of every saved array (params, optimizer
+state and FP8 state) in the description, and a CRC-32 of the description
+itself. `restore` recomputes them from what it read and returns nothing unless
+all match. Any damage it finds (a file missing, cut short or overwritten, a
+description or orbax record that does not parse, a value that does not match
+its checksum) raises `CheckpointCorrupted` (a `ValueError`) naming the
+directory, the item and, where known, the array; the error that orbax, json or
+TensorStore raised is chained to it. A checksum covers an array's dtype, shape
+and bytes in C order, independent of how the array was sharded: an array that
+this process cannot address in full is gathered from all processes first, one
+array at a time, so `save` and `restore` must run on every process, as orbax
+requires anyway. Both `save` and `restore` read every array to the host once to
+checksum it. CRC-32 is enough here because the threat is damage, not an
+adversary: it detects every burst of up to 32 flipped bits and misses other
+damage to an array with a probability of about 2**-32; it runs at several GB/s.
+Damage to a file that orbax does not read (e.g. the text of a commit marker)
+changes nothing that is restored, and is not reported.
+
+Versions: version 3 adds the checksums. Version 2 stores the four-field
+`Fp8Meta` (scale, scale_inv, amax_history, amax). Version 1 (fp8jax 0.1.0)
+stored scale and amax_history only; `restore` reads it into today's layout,
+with `scale_inv = 1 / scale` and a running amax of 0: exactly the state
+`end_step` would have returned, so training continues with the same scales.
+Versions 1 and 2 have no checksums: `restore` checks their structure, shapes,
+dtypes and recipes against their description and reports the files that
+orbax finds missing, cut short or corrupt, but cannot check their values; it
+warns once per checkpoint (`UnverifiedCheckpointWarning`). Save such a
+checkpoint again to get one that is verified.
 
 Completeness: orbax writes into `<path>.orbax-checkpoint-tmp*`, writes a
 `commit_success.txt` marker and only then renames the directory to `<path>`. A
@@ -30,9 +53,13 @@ restore leaves nothing half-loaded.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
+import re
+import warnings
+import zlib
 from typing import Any
 
 import jax
@@ -44,12 +71,28 @@ from fp8jax.formats import E4M3, E5M2
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta
 
 FORMAT_NAME = "fp8jax.checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+FIRST_CHECKSUMMED_VERSION = 3
 TMP_MARKER = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
 ITEMS = ("params", "opt_state", "fp8_state")
 _FORMATS = {fmt.name: fmt for fmt in (E4M3, E5M2)}
+# The parts without which nothing can be read. Checked up front: without
+# state/_METADATA (orbax's record of the tree) orbax misreads the tree's structure
+# instead of reporting a missing file.
+_REQUIRED_FILES = (COMMIT_MARKER, "state", "state/_METADATA", "description",
+                   "description/metadata")
+_DAMAGED = ("The checkpoint is damaged or incomplete: restore an earlier checkpoint (or copy "
+            "this one again, if it is a copy).")
+
+
+class CheckpointCorrupted(ValueError):
+  """A checkpoint whose files are missing, cut short or damaged; nothing was restored."""
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+  """A checkpoint written before checksums (version < 3): its values are not verified."""
 
 
 def _orbax():
@@ -81,21 +124,65 @@ def _array_spec(leaf) -> str:
   return f"{np.dtype(leaf.dtype).name}{list(np.shape(leaf))}"
 
 
+def _host_array(leaf) -> np.ndarray:
+  """The whole of an array on this host, gathered from all processes if it must be."""
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    # A collective: every process calls it, for the same leaves in the same order.
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(leaf)
+
+
+def _array_checksum(leaf) -> str:
+  """CRC-32 (8 hex digits) of an array's dtype, shape and bytes in C order.
+
+  The same for every sharding of the same values, and for bfloat16 and FP8
+  dtypes alike: the bytes are read as uint8, never converted.
+  """
+  array = np.asarray(_host_array(leaf), order="C")  # (np.ascontiguousarray makes 0-d 1-d)
+  header = zlib.crc32(_array_spec(array).encode())
+  return f"{zlib.crc32(array.reshape(-1).view(np.uint8), header):08x}"
+
+
+def _tree_checksums(tree: Any) -> dict:
+  """`{keystr(path): _array_checksum(leaf)}` of every leaf of `tree`."""
+  return {jax.tree_util.keystr(path): _array_checksum(leaf)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _description_checksum(description: dict) -> str:
+  """CRC-32 of a description's canonical JSON, without its own "description_crc32"."""
+  body = {key: value for key, value in description.items() if key != "description_crc32"}
+  # Through JSON first, so that the description as saved and as read back (tuples
+  # become lists, integer keys strings) give the same text.
+  canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True)
+  return f"{zlib.crc32(canonical.encode()):08x}"
+
+
 def describe(params: Any, opt_state: Any, fp8_state: Any, metadata: dict | None = None) -> dict:
-  """The JSON description `save` writes: array specs per item, FP8 meta recipes, metadata."""
+  """The JSON description `save` writes: array specs, checksums, FP8 recipes, metadata.
+
+  Per item, each array's dtype and shape ("arrays") and CRC-32 ("crc32"); each FP8
+  meta's recipe and format; the caller's metadata; and a CRC-32 of all of it
+  ("description_crc32"). Reads every array (to checksum it), so the arrays must be
+  concrete.
+  """
   check_fp8_state(fp8_state, "fp8_state")
-  arrays = {}
-  for name, tree in zip(ITEMS, (params, opt_state, fp8_state)):
-    arrays[name] = {jax.tree_util.keystr(path): _array_spec(leaf)
-                    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  trees = dict(zip(ITEMS, (params, opt_state, fp8_state)))
+  arrays = {name: {jax.tree_util.keystr(path): _array_spec(leaf)
+                   for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+            for name, tree in trees.items()}
   metas = {}
   for path, meta in jax.tree_util.tree_leaves_with_path(fp8_state, is_leaf=is_meta):
     metas[jax.tree_util.keystr(path)] = {
         "recipe": describe_recipe(meta.recipe), "fmt": meta.fmt.name,
         "scale_shape": list(np.shape(meta.scale)),
         "history_shape": list(np.shape(meta.amax_history))}
-  return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "fp8_metas": metas,
-          "metadata": dict(metadata or {})}
+  description = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays,
+                 "fp8_metas": metas, "metadata": dict(metadata or {}),
+                 "crc32": {name: _tree_checksums(tree) for name, tree in trees.items()}}
+  description["description_crc32"] = _description_checksum(description)
+  return description
 
 
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state: Any,
@@ -152,45 +239,65 @@ def check_complete(directory: str | os.PathLike) -> pathlib.Path:
   Raises:
     FileNotFoundError: no such directory (the message names an unfinished save of
       that name, if one was left behind).
-    ValueError: a temporary directory of an unfinished save, or a directory
-      missing the commit marker or one of its parts.
+    CheckpointCorrupted: a temporary directory of an unfinished save, or a
+      directory missing the commit marker or one of its parts.
   """
   path = pathlib.Path(directory).absolute()
   if TMP_MARKER in path.name:
-    raise ValueError(
+    raise CheckpointCorrupted(
         f"directory={str(directory)!r} is the temporary directory of a save that did not "
-        "finish (its process was interrupted); it is incomplete and cannot be restored.")
+        "finish (its process was interrupted); it is incomplete and cannot be restored. "
+        + _DAMAGED)
   if not path.is_dir():
     leftovers = sorted(p.name for p in path.parent.glob(path.name + TMP_MARKER + "*"))
     hint = (f" Found {leftovers}: a save to it was interrupted before it finished, so no "
             "complete checkpoint of that name exists." if leftovers else "")
     raise FileNotFoundError(f"No checkpoint at directory={str(directory)!r}.{hint}")
-  missing = [part for part in (COMMIT_MARKER, "state", "description")
-             if not (path / part).exists()]
-  # orbax's record of the tree: without it orbax misreads the tree's structure
-  # instead of reporting a missing file.
-  if "state" not in missing and not (path / "state" / "_METADATA").exists():
-    missing.append("state/_METADATA")
+  missing = [part for part in _REQUIRED_FILES if not (path / part).exists()]
+  missing = [part for part in missing  # "state", not also "state/_METADATA"
+             if os.path.dirname(part) not in missing]
   if missing:
-    raise ValueError(
+    raise CheckpointCorrupted(
         f"directory={str(directory)!r} is not a complete fp8jax checkpoint: {missing} "
-        "missing (a partial copy, or not written by fp8jax.checkpoint.save).")
+        "missing (a partial copy, or not written by fp8jax.checkpoint.save). " + _DAMAGED)
   return path
 
 
 def read_description(directory: str | os.PathLike) -> dict:
-  """The JSON description stored with a complete checkpoint."""
+  """The JSON description stored with a complete checkpoint, its own checksum verified.
+
+  Raises:
+    CheckpointCorrupted: the description is missing, does not parse, or does not
+      match its checksum (version 3 on); or see `check_complete`.
+    ValueError: not an fp8jax checkpoint, or a version this fp8jax cannot read.
+  """
   path = check_complete(directory)
   ocp = _orbax()
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  description = checkpointer.restore(
-      path, args=ocp.args.Composite(description=ocp.args.JsonRestore()))["description"]
-  if not isinstance(description, dict) or description.get("format") != FORMAT_NAME:
+  try:
+    description = checkpointer.restore(
+        path, args=ocp.args.Composite(description=ocp.args.JsonRestore()))["description"]
+  except (OSError, ValueError) as error:  # json's and Unicode's errors are ValueErrors
+    raise CheckpointCorrupted(
+        f"Could not read the description (description/metadata) of checkpoint "
+        f"{str(directory)!r}: {_error_text(error)}. {_DAMAGED}") from error
+  if not isinstance(description, dict):
     raise ValueError(f"directory={str(directory)!r} is not an fp8jax checkpoint.")
-  if description.get("version") not in READABLE_VERSIONS:
+  version = description.get("version")
+  # Verified before any field is trusted, whenever present: a damaged version
+  # number must not turn the check off.
+  has_checksum = isinstance(version, int) and version >= FIRST_CHECKSUMMED_VERSION
+  if (has_checksum or "description_crc32" in description) and (
+      description.get("description_crc32") != _description_checksum(description)):
+    raise CheckpointCorrupted(
+        f"Could not read checkpoint {str(directory)!r} intact: its description "
+        "(description/metadata) does not match the checksum saved in it. " + _DAMAGED)
+  if description.get("format") != FORMAT_NAME:
+    raise ValueError(f"directory={str(directory)!r} is not an fp8jax checkpoint.")
+  if version not in READABLE_VERSIONS:
     raise ValueError(
-        f"directory={str(directory)!r} has fp8jax checkpoint version "
-        f"{description.get('version')}, this fp8jax reads versions {READABLE_VERSIONS}.")
+        f"directory={str(directory)!r} has fp8jax checkpoint version {version}, this "
+        f"fp8jax reads versions {READABLE_VERSIONS}.")
   return description
 
 
@@ -209,15 +316,18 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
       must equal the saved ones.
 
   Returns:
-    `{"params": ..., "opt_state": ..., "fp8_state": ...}`, bit-identical to what was saved.
+    `{"params": ..., "opt_state": ..., "fp8_state": ...}`, bit-identical to what was
+    saved: every array matched its checksum (version 3 on; older versions warn
+    once that their values cannot be verified).
 
   Raises:
-    FileNotFoundError / ValueError: incomplete or missing checkpoint (see
-      `check_complete`), or a target that does not match the checkpoint; the
-      message names the path inside the tree and both sides.
-    ValueError "Could not read the arrays": array files missing, cut short or
-      corrupt. Other errors of orbax or jax (e.g. a target sharding that does not
-      divide an array's shape) pass through unchanged.
+    CheckpointCorrupted: files missing, cut short or damaged, or an array that
+      does not match its checksum; the message names the directory, the item and
+      the array where known. Nothing is returned.
+    FileNotFoundError / ValueError: a missing checkpoint, or a target that does
+      not match the checkpoint; the message names the path inside the tree and
+      both sides. Other errors of orbax or jax (e.g. a target sharding that does
+      not divide an array's shape) pass through unchanged.
   """
   ocp = _orbax()
   path = check_complete(directory)
@@ -234,21 +344,52 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
   for name in ITEMS:
     _check_arrays(name, targets[name], description["arrays"][name])
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, targets)
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  try:
-    restored = checkpointer.restore(
-        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-  except (OSError, ValueError) as error:
-    if not _is_unreadable_files_error(error):
-      raise  # e.g. a sharding that does not fit an array: its own message says what
-    raise ValueError(
-        f"Could not read the arrays of checkpoint {str(directory)!r}: its files are "
-        f"missing, cut short or corrupt (a partial copy?): {type(error).__name__}: "
-        f"{error}") from error
+  restored = _read_arrays(ocp, path, abstract, directory)
+  if description["version"] >= FIRST_CHECKSUMMED_VERSION:
+    _verify_checksums(directory, restored, description.get("crc32", {}))
+  else:
+    # Once per checkpoint: Python shows a warning once per distinct message.
+    warnings.warn(
+        f"checkpoint {str(directory)!r} is fp8jax checkpoint version "
+        f"{description['version']}, written before checksums (version "
+        f"{FIRST_CHECKSUMMED_VERSION}): its structure, shapes and dtypes were checked, its "
+        "values cannot be. Save it again to get a checkpoint whose values are verified.",
+        UnverifiedCheckpointWarning, stacklevel=2)
   if legacy:
     restored["fp8_state"] = jax.tree.map(_from_version_1, restored["fp8_state"],
                                          is_leaf=lambda n: isinstance(n, _MetaV1))
   return {name: restored[name] for name in ITEMS}
+
+
+def _read_arrays(ocp, path: pathlib.Path, abstract: dict, directory) -> dict:
+  """orbax's restore of the arrays into `abstract`; damaged files raise CheckpointCorrupted."""
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  try:
+    return checkpointer.restore(
+        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+  except Exception as error:  # orbax wraps some of tensorstore's errors in plain Exceptions
+    damage = _damage_in(error)
+    if damage is None:
+      raise  # e.g. a sharding that does not fit an array: its own message says what
+    raise CheckpointCorrupted(
+        f"Could not read the arrays of checkpoint {str(directory)!r} "
+        f"({_arrays_named_in(damage, abstract)}): its files are missing, cut short or "
+        f"corrupt: {_error_text(damage)}. {_DAMAGED}") from error
+
+
+def _verify_checksums(directory, restored: dict, saved: dict) -> None:
+  """Raises CheckpointCorrupted unless every restored array has the checksum saved for it."""
+  wrong = []
+  for item in ITEMS:
+    for key, checksum in _tree_checksums(restored[item]).items():
+      want = saved.get(item, {}).get(key)
+      if checksum != want:
+        wrong.append(f"{item}{key} (crc32 {checksum}, saved {want})")
+  if wrong:
+    more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+    raise CheckpointCorrupted(
+        f"Could not read checkpoint {str(directory)!r} intact: {len(wrong)} array(s) read back "
+        f"other values than were saved: {', '.join(wrong[:5])}{more}. {_DAMAGED}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,19 +418,61 @@ def _from_version_1(old: _MetaV1) -> Fp8Meta:
                  amax=jnp.zeros_like(scale), recipe=old.recipe, fmt=old.fmt)
 
 
-# tensorstore raises every failure as a ValueError whose message starts with the
-# status code. A deleted array file reads as NOT_FOUND, a truncated one as
-# OUT_OF_RANGE (a byte range past its end), a corrupted one or a corrupted OCDBT
-# manifest as DATA_LOSS. A target that does not fit (shape, sharding) fails in
-# orbax or jax with a plain ValueError instead, which is let through.
-_UNREADABLE_STATUS = ("NOT_FOUND:", "OUT_OF_RANGE:", "DATA_LOSS:", "PERMISSION_DENIED:")
+# tensorstore raises every failure as a ValueError. Read directly, its message
+# starts with the status code: a deleted array file reads as NOT_FOUND, a
+# truncated one as OUT_OF_RANGE (a byte range past its end) or FAILED_PRECONDITION
+# (a compressed stream cut short), a corrupted one or a corrupted OCDBT manifest
+# as DATA_LOSS. Through a nested driver (e.g. a b-tree node that does not
+# decompress) the code is dropped and only tensorstore's "[tensorstore_spec=...]"
+# annotation marks it. Codes of passing trouble (UNAVAILABLE, RESOURCE_EXHAUSTED,
+# ...) are not damage and are let through, as is a target that does not fit
+# (shape, sharding): orbax or jax raise those with plain messages.
+_DAMAGE_STATUS = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
+# OS errors that mean a file is missing or cut short; others (no permission, too many
+# open files, a timeout) are trouble of the machine, not of the checkpoint.
+_DAMAGE_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+_STATUS_CODE = re.compile(r"^([A-Z_]+): ")
+# How tensorstore's messages name an array: orbax's dotted name, e.g. "params.w2/".
+_ORBAX_ARRAY_NAME = re.compile(r'"((?:params|opt_state|fp8_state)(?:\.[^"/\\]+)?)/')
 
 
-def _is_unreadable_files_error(error: Exception) -> bool:
-  """Whether an error of orbax's restore means that files are missing or unreadable."""
-  if isinstance(error, (OSError, json.JSONDecodeError)):  # orbax's own metadata files
-    return True
-  return isinstance(error, ValueError) and str(error).startswith(_UNREADABLE_STATUS)
+def _damage_in(error: BaseException | None) -> BaseException | None:
+  """The error, of orbax's restore or of one it was raised from, that means damaged files."""
+  while error is not None:
+    if isinstance(error, (UnicodeError, json.JSONDecodeError)):  # orbax's JSON records
+      return error
+    if isinstance(error, OSError) and (error.errno in _DAMAGE_ERRNOS or error.errno is None):
+      return error
+    if isinstance(error, ValueError):
+      code = _STATUS_CODE.match(str(error))
+      if (code.group(1) in _DAMAGE_STATUS if code else "[tensorstore_spec" in str(error)):
+        return error
+    error = error.__cause__
+  return None
+
+
+def _orbax_name(path) -> str:
+  """orbax's dotted name of a tree path: `opt_state[0].mu['w2']` is "opt_state.0.mu.w2"."""
+  return ".".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+                  for key in path)
+
+
+def _arrays_named_in(error: BaseException, tree: dict) -> str:
+  """The array of `tree` (by its path) that an error of orbax's restore names, if any."""
+  match = _ORBAX_ARRAY_NAME.search(str(error))
+  if not match:  # e.g. orbax's record of the whole tree
+    return "params, opt_state and fp8_state"
+  paths = {_orbax_name(path): f"{path[0].key}{jax.tree_util.keystr(path[1:])}"
+           for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
+  return paths.get(match.group(1), match.group(1))
+
+
+def _error_text(error: BaseException) -> str:
+  """The type and first line of an error, without tensorstore's long spec annotation."""
+  text = (str(error).split(" [tensorstore_spec")[0].splitlines() or [""])[0]
+  if len(text) > 400:
+    text = text[:400] + "..."
+  return f"{type(error).__name__}: {text}"
 
 
 def _check_arrays(item: str, target: Any, saved: dict) -> None:

@@ -3,13 +3,15 @@
 tests/data/checkpoint_v1 was written by fp8jax 0.1.0 after three training steps of
 a two-layer model (plus a meta stacked over two layers); checkpoint_v1_values.json
 holds the bit patterns of every array it saved. Version 1 stored each Fp8Meta as
-(scale, amax_history); version 2 adds scale_inv and the running amax.
+(scale, amax_history); version 2 adds scale_inv and the running amax; version 3
+adds a checksum of every array.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +48,9 @@ def test_version_1_checkpoint_restores_bit_exactly_into_the_four_field_layout(tm
   shutil.copytree(DATA / "checkpoint_v1", path)
   assert ckpt.read_description(path)["version"] == 1
   params, opt_state, fp8_state = _targets()
-  restored = ckpt.restore(path, params=params, opt_state=opt_state, fp8_state=fp8_state)
+  # Version 1 has no checksums: restore says that its values cannot be verified.
+  with pytest.warns(ckpt.UnverifiedCheckpointWarning, match="version 1, written before checksums"):
+    restored = ckpt.restore(path, params=params, opt_state=opt_state, fp8_state=fp8_state)
   saved = _saved_bits()
   for item in ("params", "opt_state"):
     got = _bits(restored[item], item)
@@ -66,11 +70,12 @@ def test_version_1_checkpoint_restores_bit_exactly_into_the_four_field_layout(tm
   assert any(float(np.max(m.scale)) != 1.0 for m in metas)
 
 
-def test_restored_version_1_state_trains_on_and_saves_as_version_2(tmp_path):
+def test_restored_version_1_state_trains_on_and_saves_in_the_current_format(tmp_path):
   path = tmp_path / "checkpoint_v1"
   shutil.copytree(DATA / "checkpoint_v1", path)
   params, opt_state, fp8_state = _targets()
-  restored = ckpt.restore(path, params=params, opt_state=opt_state, fp8_state=fp8_state)
+  with pytest.warns(ckpt.UnverifiedCheckpointWarning):
+    restored = ckpt.restore(path, params=params, opt_state=opt_state, fp8_state=fp8_state)
 
   def loss_fn(params, fp8_state, x):
     h, m1 = fp8jax.fp8_dense(x, params["w1"], None, fp8_state["l1"])
@@ -86,9 +91,11 @@ def test_restored_version_1_state_trains_on_and_saves_as_version_2(tmp_path):
   np.testing.assert_array_equal(np.asarray(state["l1"].x.amax_history[1:]),
                                 np.asarray(restored["fp8_state"]["l1"].x.amax_history[:-1]))
   assert float(state["l1"].x.amax_history[0]) == float(fp8jax.amax(x))
-  out = ckpt.save(tmp_path / "v2", params=restored["params"], opt_state=restored["opt_state"],
+  out = ckpt.save(tmp_path / "resaved", params=restored["params"], opt_state=restored["opt_state"],
                   fp8_state=state)
-  assert ckpt.read_description(out)["version"] == 2
-  again = ckpt.restore(out, params=params, opt_state=opt_state, fp8_state=fp8_state)
+  assert ckpt.read_description(out)["version"] == ckpt.FORMAT_VERSION == 3
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ckpt.UnverifiedCheckpointWarning)  # verified: no warning
+    again = ckpt.restore(out, params=params, opt_state=opt_state, fp8_state=fp8_state)
   for a, b in zip(jax.tree.leaves(again["fp8_state"]), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -99,10 +99,10 @@ def restore(path, config: RunConfig, corpus, continuing: bool):
   try:
     restored = fp8jax.checkpoint.restore(path, params=params, opt_state=opt_state,
                                          fp8_state=saved_fp8)
+  except fp8jax.checkpoint.CheckpointCorrupted as error:
+    raise RunError(" ".join(str(error).split())) from None
   except ValueError as error:
     text = str(error).splitlines()[0]
-    if text.startswith("Could not read"):
-      raise RunError(text) from None
     raise RunError(f"checkpoint {str(path)!r} does not fit this run's {config.size} model: "
                    f"{text}") from None
   if config.recipe_object is None:
