@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from fp8jax import weight_reuse
 from fp8jax.meta import check_fp8_state, is_meta
 from fp8jax.scaling import begin_step, close_step, end_step, merge_step
+from fp8jax.state_gradients import differentiating_fp8_state
 from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
 
 
@@ -196,8 +197,9 @@ def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
     loss = value[0] if has_aux else value
     return loss, (value, new_state)
 
-  (_, (value, forward_state)), (grads, state_cotangent) = jax.value_and_grad(
-      split_loss, argnums=(0, 1), has_aux=True)(params, state)
+  with differentiating_fp8_state():  # the state's cotangent is the step's record here
+    (_, (value, forward_state)), (grads, state_cotangent) = jax.value_and_grad(
+        split_loss, argnums=(0, 1), has_aux=True)(params, state)
   return value, grads, (forward_state, state_cotangent)
 
 

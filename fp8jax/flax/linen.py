@@ -36,6 +36,7 @@ from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.meta import DotMeta, init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe
+from fp8jax.state_gradients import detach_outside_step, guard_fp8_state
 
 FP8_COLLECTION = "fp8_meta"
 
@@ -54,6 +55,18 @@ def dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta")
   return variable
 
 
+def read_meta(module: nn.Module, variable):
+  """The FP8 state in `variable`, for this call's FP8 op.
+
+  Differentiating it outside fp8jax's steps (e.g. `jax.grad` over the whole
+  `variables` dict for a Flax `TrainState`) raises an error that says what to
+  do instead, rather than let an optimizer train FP8 state (see
+  `fp8jax.state_gradients`).
+  """
+  where = f"'{FP8_COLLECTION}/{'/'.join(module.scope.path)}/{variable.name}'"
+  return guard_fp8_state(variable.value, where)
+
+
 def store_dot_meta(module: nn.Module, variable, new_meta: DotMeta) -> None:
   """Writes a layer's new FP8 state when the collection is mutable (training), not in init.
 
@@ -63,7 +76,7 @@ def store_dot_meta(module: nn.Module, variable, new_meta: DotMeta) -> None:
   # The init pass must not record amaxes: the first training step would then
   # start from an observation of the random initialization.
   if module.is_mutable_collection(FP8_COLLECTION) and not module.is_initializing():
-    variable.value = new_meta
+    variable.value = detach_outside_step(new_meta)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -79,7 +92,7 @@ class Fp8DotGeneral(nn.Module):
                preferred_element_type=None):
     del precision  # FP8 GEMMs accumulate in float32 regardless.
     variable = dot_meta_variable(self, self.recipe)
-    out, new_meta = fp8_dot_general(lhs, rhs, variable.value, dimension_numbers)
+    out, new_meta = fp8_dot_general(lhs, rhs, read_meta(self, variable), dimension_numbers)
     store_dot_meta(self, variable, new_meta)
     if preferred_element_type is not None:
       out = out.astype(preferred_element_type)
@@ -114,7 +127,7 @@ class Fp8Dense(nn.Module):
             if self.use_bias else None)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     variable = dot_meta_variable(self, self.recipe)
-    y, new_meta = fp8_dense(x, kernel, bias, variable.value)
+    y, new_meta = fp8_dense(x, kernel, bias, read_meta(self, variable))
     store_dot_meta(self, variable, new_meta)
     return y
 
@@ -146,7 +159,7 @@ class Fp8DenseGeneral(nn.Module):
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     variable = dot_meta_variable(self, self.recipe)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
-    y, new_meta = fp8_dot_general(x, kernel, variable.value, dims)
+    y, new_meta = fp8_dot_general(x, kernel, read_meta(self, variable), dims)
     store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)
@@ -186,7 +199,7 @@ class Fp8Einsum(nn.Module):
       bias = self.param("bias", self.bias_init, tuple(trailing), self.param_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     variable = dot_meta_variable(self, self.recipe)
-    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, variable.value)
+    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, read_meta(self, variable))
     store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)
@@ -242,7 +255,7 @@ class Fp8MultiHeadAttention(nn.Module):
                   kv_segment_ids=kv_segment_ids, backend=self.backend)
     if self.fp8_attention:
       variable = self.variable(FP8_COLLECTION, "attention_meta", init_attention_meta, self.recipe)
-      out, new_meta = fp8_attention(q, k, v, variable.value, **kwargs)
+      out, new_meta = fp8_attention(q, k, v, read_meta(self, variable), **kwargs)
       store_dot_meta(self, variable, new_meta)
     else:
       out = attention(q, k, v, **kwargs)

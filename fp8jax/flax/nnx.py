@@ -12,6 +12,12 @@ parameters and an optimizer built on `nnx.Param` never sees it:
 
     loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state, x, y)
 
+`nnx.Optimizer(model, tx, wrt=nnx.Param)` then updates the parameters only and
+leaves every `Fp8MetaVariable` as it is; put the step's next FP8 state in with
+`nnx.update(model, fp8_state)`. Differentiating the FP8 state itself (e.g.
+`nnx.grad(..., argnums=nnx.DiffState(0, nnx.Variable))`) raises
+`fp8jax.Fp8StateGradientError` (see `fp8jax.state_gradients`).
+
 Calling a layer records that call's amaxes in its `Fp8MetaVariable`, like
 `nnx.BatchNorm` collects batch statistics. `model.eval()` sets
 `use_running_average=True` on every layer (as for BatchNorm): the layers then
@@ -20,7 +26,8 @@ leaves the FP8 state untouched; `model.train()` switches recording back on.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +35,11 @@ from flax import nnx
 
 from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
 from fp8jax.dense import fp8_dense
+from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum
 from fp8jax.meta import init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
+from fp8jax.state_gradients import NNX_FIX, detach_outside_step, guard_fp8_state
 
 
 class Fp8MetaVariable(nnx.Variable):
@@ -48,10 +57,16 @@ def _set(variable: nnx.Variable, value) -> None:
     variable.value = value
 
 
+def _read(variable: nnx.Variable, where: str):
+  """The layer's FP8 state; differentiating it outside fp8jax's steps raises (see
+  `fp8jax.state_gradients`)."""
+  return guard_fp8_state(_get(variable), where, fix=NNX_FIX)
+
+
 def _record(module, variable, new_meta) -> None:
   """Stores `new_meta` unless the layer is in evaluation mode (`use_running_average`)."""
   if not module.use_running_average:
-    _set(variable, new_meta)
+    _set(variable, detach_outside_step(new_meta))
 
 
 class Fp8Linear(nnx.Module):
@@ -81,7 +96,7 @@ class Fp8Linear(nnx.Module):
     kernel = _get(self.kernel)
     bias = _get(self.bias) if self.bias is not None else None
     x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
-    y, new_meta = fp8_dense(x, kernel, bias, _get(self.fp8_meta))
+    y, new_meta = fp8_dense(x, kernel, bias, _read(self.fp8_meta, "of an Fp8Linear"))
     _record(self, self.fp8_meta, new_meta)
     return y
 
@@ -102,7 +117,8 @@ class Fp8Einsum(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x, kernel = nnx.nn.dtypes.promote_dtype((x, _get(self.kernel)), dtype=self.dtype)
-    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, _get(self.fp8_meta))
+    meta = _read(self.fp8_meta, "of an Fp8Einsum")
+    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, meta)
     _record(self, self.fp8_meta, new_meta)
     return y
 
@@ -139,8 +155,70 @@ class Fp8MultiHeadAttention(nnx.Module):
     kwargs = dict(causal=self.causal, q_segment_ids=q_segment_ids,
                   kv_segment_ids=kv_segment_ids, backend=self.backend)
     if self.use_fp8_attention:
-      out, new_meta = fp8_attention(q, k, v, _get(self.attention_meta), **kwargs)
+      meta = _read(self.attention_meta, "of an Fp8MultiHeadAttention")
+      out, new_meta = fp8_attention(q, k, v, meta, **kwargs)
       _record(self, self.attention_meta, new_meta)
     else:
       out = attention(q, k, v, **kwargs)
     return self.out(out)
+
+
+class Fp8LinearGeneral(nnx.Module):
+  """`nnx.LinearGeneral` with an FP8 matmul over the `axis` dims of x.
+
+  The kernel has shape `batch sizes + in_features + out_features`, where
+  `batch_axis` maps leading axes of x (0, 1, ...) to their sizes, as in
+  `nnx.LinearGeneral`, and is initialized the same way (the initializer sees
+  the flattened 2-D kernel). The output has x's batch axes, then its other
+  non-contracted axes, then `out_features`. `use_running_average=True` (what
+  `model.eval()` sets) uses the stored scales and records no amaxes.
+  """
+
+  def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
+               axis: int | Sequence[int] = -1, batch_axis: Mapping[int, int] | None = None,
+               use_bias: bool = True, recipe: Recipe = DelayedScaling(), dtype: Any = None,
+               param_dtype: Any = jnp.float32, kernel_init=nnx.initializers.lecun_normal(),
+               bias_init=nnx.initializers.zeros_init(), use_running_average: bool = False,
+               rngs: nnx.Rngs):
+    check_recipe(recipe)
+    self.use_running_average = use_running_average
+    self.in_features = _as_tuple(in_features)
+    self.out_features = _as_tuple(out_features)
+    self.axis = _as_tuple(axis)
+    self.batch_axis = tuple(sorted(dict(batch_axis or {}).items()))
+    self.dtype = dtype
+    if len(self.in_features) != len(self.axis):
+      raise ValueError(f"in_features={self.in_features} and axis={self.axis} must have the same "
+                       "length: one size per contracted axis of x.")
+    if [a for a, _ in self.batch_axis] != list(range(len(self.batch_axis))):
+      raise ValueError(f"batch_axis={dict(self.batch_axis)} must map the leading axes of x "
+                       "(0, 1, ...) to their sizes.")
+    batch_shape = tuple(size for _, size in self.batch_axis)
+    kernel_shape = batch_shape + self.in_features + self.out_features
+    flat = (math.prod(batch_shape + self.in_features), math.prod(self.out_features))
+    self.kernel = nnx.Param(
+        kernel_init(rngs.params(), flat, param_dtype).reshape(kernel_shape))
+    self.bias = (nnx.Param(bias_init(rngs.params(), (math.prod(batch_shape + self.out_features),),
+                                     param_dtype).reshape(batch_shape + self.out_features))
+                 if use_bias else None)
+    self.fp8_meta = Fp8MetaVariable(init_dot_meta(recipe))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    axis = tuple(a % x.ndim for a in self.axis)
+    batch = tuple(a for a, _ in self.batch_axis)
+    kernel = _get(self.kernel)
+    bias = _get(self.bias) if self.bias is not None else None
+    x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    dims = ((axis, tuple(range(len(batch), len(batch) + len(axis)))),
+            (batch, tuple(range(len(batch)))))
+    y, new_meta = fp8_dot_general(x, kernel, _read(self.fp8_meta, "of an Fp8LinearGeneral"), dims)
+    _record(self, self.fp8_meta, new_meta)
+    if bias is not None:
+      # y is [batch axes, x's other axes, out_features]; the bias varies along the batch axes.
+      expanded = tuple(x.shape[a] if a in batch else 1 for a in range(x.ndim) if a not in axis)
+      y = y + jnp.reshape(bias, expanded + self.out_features).astype(y.dtype)
+    return y
+
+
+def _as_tuple(value) -> tuple:
+  return tuple(value) if isinstance(value, (tuple, list)) else (value,)

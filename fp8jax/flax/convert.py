@@ -1,0 +1,201 @@
+"""Converting an existing nnx model's dense layers to FP8, in place.
+
+`convert_to_fp8(model)` walks the model's graph and replaces every
+`nnx.Linear`, `nnx.LinearGeneral` and `nnx.Einsum` that `layer_filter` chooses
+by fp8jax's `Fp8Linear`, `Fp8LinearGeneral` or `Fp8Einsum`, on every parent that
+holds it (module attributes, `nnx.List`, `nnx.Dict`, lists and dicts; a layer
+held twice, e.g. tied, is replaced in both places by one FP8 layer). The FP8
+layer takes over the old layer's `nnx.Param` objects, so parameter values (and
+their sharding metadata) are unchanged, and gets a fresh `Fp8MetaVariable`:
+
+    paths = convert_to_fp8(model)           # default_layer_filter, DelayedScaling()
+    graphdef, params, fp8_state = nnx.split(model, nnx.Param, Fp8MetaVariable)
+
+then train as in `fp8jax.flax.nnx`. `precision` is ignored (FP8 GEMMs
+accumulate in float32).
+
+A chosen layer that cannot become an FP8 layer stays as it is, with a warning
+that names it: one with its own `dot_general` / `dot_general_cls` / `einsum_op`
+/ `promote_dtype`, or `preferred_element_type`; an `Einsum` with a bias, with an
+ellipsis, or whose contraction is not a matrix product; a computation dtype that
+is not bf16, f16, f32 or f64; a layer held in a tuple (which cannot be changed in
+place: hold it in an `nnx.List` or an attribute). An `Einsum` that the model
+calls with an `einsum_str` argument must be left out by the filter: `Fp8Einsum`
+takes its equation at construction only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8jax.einsum import parse_two_operand_subscripts
+from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, chosen, default_layer_filter
+from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
+from fp8jax.meta import init_dot_meta
+from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
+
+
+def convert_to_fp8(model: nnx.Module, *,
+                   layer_filter: Callable[[LayerInfo], bool] = default_layer_filter,
+                   recipe: Recipe = DelayedScaling()) -> tuple[tuple, ...]:
+  """Replaces the chosen dense layers of `model` by FP8 layers, in place.
+
+  Args:
+    model: an `nnx.Module`; changed in place.
+    layer_filter: `(LayerInfo) -> bool`, True for the layers to convert
+      (`LayerInfo.input_shape` is None: nothing has been called yet).
+    recipe: the FP8 recipe of every converted layer.
+
+  Returns:
+    The paths of the converted layers, in the order of `nnx.iter_graph`.
+  """
+  _check_nnx_module(model)
+  check_layer_filter(layer_filter)
+  check_recipe(recipe)
+  nodes = list(nnx.iter_graph(model))
+  in_tuples = {id(child) for _, node in nodes if isinstance(node, tuple) for child in node}
+  replacements, paths = {}, []
+  for path, node in nodes:
+    plan = _plan(tuple(path), node)
+    if plan is None or not chosen(layer_filter, plan.layer):
+      continue
+    blocker = plan.blocker
+    if blocker is None and not path:
+      blocker = "it is the model itself; build the FP8 layer directly (fp8jax.flax.nnx)"
+    if blocker is None and id(node) in in_tuples:
+      blocker = ("it is held in a tuple, which cannot be changed in place (hold it in an "
+                 "nnx.List or an attribute)")
+    if blocker is not None:
+      warnings.warn(f"fp8jax: layer {plan.layer.path} ({plan.layer.kind}) was chosen for FP8 "
+                    f"but stays in high precision: {blocker.rstrip('.')}.", stacklevel=2)
+      continue
+    replacements[id(node)] = _fp8_layer(node, recipe)
+    paths.append(plan.layer.path)
+  for _, node in nodes:
+    _replace_children(node, replacements)
+  return tuple(paths)
+
+
+def _check_nnx_module(model) -> None:
+  if isinstance(model, type) and issubclass(model, nnx.Module):
+    raise TypeError(f"model is the class {model.__name__}, not a module: pass the model you "
+                    f"built, e.g. convert_to_fp8({model.__name__}(..., rngs=nnx.Rngs(0))).")
+  if isinstance(model, nn.Module):
+    raise TypeError(f"model is a flax.linen module ({type(model).__name__}); convert_to_fp8 "
+                    "changes flax.nnx modules in place. Run a linen model with FP8 layers "
+                    "through fp8jax.flax.intercept.Fp8Model(model).")
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be a flax.nnx Module, got {type(model).__name__}: {model!r}.")
+
+
+def _replace_children(node, replacements: dict) -> None:
+  """Points every child of `node` that is a replaced layer to its FP8 layer."""
+  if isinstance(node, (nnx.List, list)):
+    for i, child in enumerate(node):
+      if id(child) in replacements:
+        node[i] = replacements[id(child)]
+  elif isinstance(node, nnx.Module):
+    for name, child in list(vars(node).items()):
+      if id(child) in replacements:
+        setattr(node, name, replacements[id(child)])
+  elif isinstance(node, dict):
+    for key, child in list(node.items()):
+      if id(child) in replacements:
+        node[key] = replacements[id(child)]
+
+
+# ----- one layer -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  layer: LayerInfo
+  blocker: str | None
+
+
+def _plan(path: tuple, node) -> _Plan | None:
+  """What the filter sees of a stock Linear / LinearGeneral / Einsum, else None."""
+  # Exact types: a subclass may compute something else in its __call__.
+  if type(node) is nnx.Linear:
+    k, n = node.in_features, node.out_features
+    layer = LayerInfo(path, "Linear", (k, n), (k,), (n,))
+    return _Plan(layer, _blocker(node, {"dot_general": jax.lax.dot_general}))
+  if type(node) is nnx.LinearGeneral:
+    layer = LayerInfo(path, "LinearGeneral", tuple(_get(node.kernel).shape),
+                      tuple(node.in_features), tuple(node.out_features))
+    return _Plan(layer, _blocker(node, {"dot_general": None, "dot_general_cls": None}))
+  if type(node) is nnx.Einsum:
+    return _einsum_plan(path, node)
+  return None
+
+
+def _einsum_plan(path, node) -> _Plan:
+  shape = tuple(node.kernel_shape)
+  spec = node.einsum_str
+  x_labels, k_labels, out_labels = "", "", ""
+  if "..." not in spec:
+    (x_labels, k_labels), out_labels = spec.split("->")[0].split(","), spec.split("->")[1]
+  in_features = tuple(s for c, s in zip(k_labels, shape) if c in x_labels and c not in out_labels)
+  out_features = tuple(s for c, s in zip(k_labels, shape) if c in out_labels and c not in x_labels)
+  layer = LayerInfo(path, "Einsum", shape, in_features, out_features)
+  blocker = _blocker(node, {"einsum_op": jnp.einsum})
+  if blocker is None and node.bias is not None:
+    blocker = "it has a bias, which fp8jax.flax.nnx.Fp8Einsum does not have"
+  if blocker is None:
+    try:
+      parse_two_operand_subscripts(spec, len(x_labels), len(shape))
+    except ValueError as error:
+      blocker = str(error)
+  if blocker is None and not in_features:
+    blocker = f"{spec!r} contracts no dimension, so it is not a matrix product"
+  return _Plan(layer, blocker)
+
+
+def _blocker(node, stock: dict) -> str | None:
+  """Why fp8jax's layer would not compute what `node` computes, or None.
+
+  `stock` maps the layer's injectable functions to their defaults.
+  """
+  for name, default in stock.items():
+    if getattr(node, name) is not default:
+      return f"it has its own {name}"
+  if node.promote_dtype is not nnx.nn.dtypes.promote_dtype:
+    return "it has its own promote_dtype"
+  if node.preferred_element_type is not None:
+    dtype = jnp.dtype(node.preferred_element_type)
+    return (f"preferred_element_type={dtype} asks for an output dtype that the "
+            "FP8 GEMM does not give")
+  dtype = jnp.dtype(node.dtype if node.dtype is not None else _get(node.kernel).dtype)
+  if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+    return f"its computation dtype is {dtype}, not bfloat16, float16, float32 or float64"
+  return None
+
+
+def _fp8_layer(node, recipe: Recipe) -> nnx.Module:
+  """The FP8 layer that takes over `node`'s parameters (built abstractly: no initialization)."""
+  common = dict(recipe=recipe, dtype=node.dtype, param_dtype=node.param_dtype)
+  if isinstance(node, nnx.Linear):
+    build = lambda: Fp8Linear(node.in_features, node.out_features,
+                              use_bias=node.bias is not None, rngs=nnx.Rngs(0), **common)
+  elif isinstance(node, nnx.LinearGeneral):
+    build = lambda: Fp8LinearGeneral(node.in_features, node.out_features, axis=node.axis,
+                                     batch_axis=dict(node.batch_axis),
+                                     use_bias=node.bias is not None, rngs=nnx.Rngs(0), **common)
+  else:
+    build = lambda: Fp8Einsum(node.einsum_str, node.kernel_shape, rngs=nnx.Rngs(0), **common)
+  layer = nnx.eval_shape(build)
+  layer.kernel = node.kernel
+  if hasattr(layer, "bias"):
+    layer.bias = node.bias
+  layer.fp8_meta = Fp8MetaVariable(init_dot_meta(recipe))
+  return layer
+
+
+def _get(variable):
+  return variable.get_value() if hasattr(variable, "get_value") else variable.value

@@ -1,0 +1,183 @@
+"""Moving FP8 state between Flax's `fp8_ops` and fp8jax, without a loss spike.
+
+Flax's `nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)` keeps, per layer, in
+the "_overwrite_with_gradient" collection: `input_`, `kernel_` and
+`output_grad_` `amax_history` (float32[L]) and `scale` (float32[1]). Two
+conventions differ from fp8jax's `Fp8Meta`:
+
+- Flax's `scale` is a divisor (`q = x / scale`), and it is the one the *last*
+  step used: each step recomputes `fp8_max / max(history)` from the history
+  before recording its own amax, and keeps the stored scale only as the fallback
+  when that is not usable. fp8jax stores the multiplier the *next* step uses.
+- Flax's history is rotated: each step rolls it by one to the left and writes
+  the new amax at index 0, so after n steps it reads
+  `[a_n, a_(n-L+1), ..., a_(n-1)]`; fp8jax's is newest first,
+  `[a_n, a_(n-1), ..., a_(n-L+1)]`.
+
+`from_flax_fp8_ops` gives each layer the `DotMeta` whose next step quantizes with
+exactly the scale Flax's next step would compute; `to_flax_fp8_ops` gives back
+the rotated history (from which Flax recomputes the same scale) and the divisor
+`1 / scale`. Both take the state between steps (as a step returned it). Flax's
+layers keep no margin and use E4M3 for x and kernel, E5M2 for gradients, with
+the max over the history: the recipe is `DelayedScaling(amax_history_len=L,
+amax_compute_algo="max", margin=0, fp8_format="hybrid")`.
+
+Layer names: Flax's op submodule is named after its class
+(`Dense_0/Fp8DirectDotGeneralOp_0`), fp8jax's after `Fp8DotGeneral`
+(`Dense_0/Fp8DotGeneral_0/dot_meta`); the conversion renames them, so the
+state fits the same model with `dot_general_cls=fp8jax.flax.linen.Fp8DotGeneral`.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+from jax import lax
+
+from fp8jax.formats import E4M3, E5M2
+from fp8jax.meta import DotMeta, Fp8Meta, is_meta
+from fp8jax.recipes import DelayedScaling
+from fp8jax.scaling import scale_from_amax
+
+FLAX_COLLECTION = "_overwrite_with_gradient"
+# fp8jax role -> Flax's variable-name prefix.
+_ROLES = {"x": "input", "kernel": "kernel", "grad": "output_grad"}
+_FLAX_VARIABLES = frozenset(f"{prefix}_{kind}" for prefix in _ROLES.values()
+                            for kind in ("amax_history", "scale"))
+# Flax's FP8 dot_general ops, whose submodule names become fp8jax's op name.
+FLAX_OP_NAMES = ("Fp8DirectDotGeneralOp", "Fp8DotGeneralOp")
+FP8JAX_OP_NAME = "Fp8DotGeneral"
+META_NAME = "dot_meta"
+
+
+def from_flax_fp8_ops(flax_state: Mapping) -> dict:
+  """fp8jax FP8 state (DotMetas) from Flax `fp8_ops` state between steps.
+
+  Args:
+    flax_state: the "_overwrite_with_gradient" collection (or any nested dict
+      whose FP8 layers hold Flax's six variables).
+
+  Returns:
+    A nested dict of the same layout where each Flax op node `<FlaxOp>_i` becomes
+    `Fp8DotGeneral_i: {"dot_meta": DotMeta}`; ready as a linen model's
+    "fp8_meta" collection.
+  """
+  if not isinstance(flax_state, Mapping):
+    raise TypeError(
+        f"flax_state must be Flax's '{FLAX_COLLECTION}' collection (a dict), got "
+        f"{type(flax_state).__name__}.")
+  if _is_flax_layer(flax_state):
+    return {META_NAME: _dot_meta_from_flax(flax_state)}
+  converted = {}
+  for name, node in flax_state.items():
+    if not isinstance(node, Mapping):
+      raise ValueError(
+          f"flax_state[{name!r}] is a {type(node).__name__}, not a Flax FP8 layer: an FP8 "
+          f"layer holds exactly {sorted(_FLAX_VARIABLES)}.")
+    converted[_renamed(name, FLAX_OP_NAMES, FP8JAX_OP_NAME)] = from_flax_fp8_ops(node)
+  return converted
+
+
+def to_flax_fp8_ops(fp8_state: Mapping, op_name: str = FLAX_OP_NAMES[0]) -> dict:
+  """Flax `fp8_ops` state from fp8jax FP8 state between steps (the inverse conversion).
+
+  Args:
+    fp8_state: a linen model's "fp8_meta" collection of `DotMeta`s following
+      `DelayedScaling` with the max over the history, no margin, "hybrid".
+    op_name: the Flax op class the model will use (its submodule name prefix).
+
+  Returns:
+    The "_overwrite_with_gradient" collection for the same model with
+    `dot_general_cls` set to that Flax op.
+  """
+  if not isinstance(fp8_state, Mapping):
+    raise TypeError(f"fp8_state must be a linen 'fp8_meta' collection (a dict), got "
+                    f"{type(fp8_state).__name__}.")
+  converted = {}
+  for name, node in fp8_state.items():
+    if isinstance(node, DotMeta):
+      if name != META_NAME:
+        raise ValueError(f"fp8_state: a DotMeta named {name!r}; Flax ops hold one named "
+                         f"{META_NAME!r}.")
+      return _dot_meta_to_flax(node)
+    if is_meta(node) or not isinstance(node, Mapping):
+      raise ValueError(
+          f"fp8_state[{name!r}] is a {type(node).__name__}: only the DotMetas of FP8 "
+          "matmuls have a Flax fp8_ops equivalent (attention FP8 state has none).")
+    converted[_renamed(name, (FP8JAX_OP_NAME,), op_name)] = to_flax_fp8_ops(node, op_name)
+  return converted
+
+
+def flax_recipe(history_len: int) -> DelayedScaling:
+  """The fp8jax recipe that does what Flax's `fp8_ops` do with a history of `history_len`."""
+  return DelayedScaling(amax_history_len=history_len, amax_compute_algo="max", margin=0,
+                        fp8_format="hybrid")
+
+
+def _is_flax_layer(node: Mapping) -> bool:
+  keys = set(node)
+  if keys & _FLAX_VARIABLES and keys != _FLAX_VARIABLES:
+    raise ValueError(
+        f"a Flax FP8 layer holds exactly {sorted(_FLAX_VARIABLES)}; this one has "
+        f"{sorted(keys)}.")
+  return keys == _FLAX_VARIABLES
+
+
+def _renamed(name: str, old_prefixes, new_prefix: str) -> str:
+  for prefix in old_prefixes:
+    if name.startswith(prefix + "_") and name[len(prefix) + 1:].isdigit():
+      return f"{new_prefix}_{name[len(prefix) + 1:]}"
+  return name
+
+
+def _as_float32(value) -> jnp.ndarray:
+  # Flax may keep the state in its max-accumulating float32 dtype (fp32_max_grad).
+  return lax.convert_element_type(value, jnp.float32).reshape(jnp.shape(value))
+
+
+def _unrotate(rotated):
+  """Flax's rotated history -> newest first, on the last axis (layers stacked in front)."""
+  return jnp.concatenate([rotated[..., :1], jnp.flip(rotated[..., 1:], axis=-1)], axis=-1)
+
+
+def _rotate(history):
+  """Newest-first history -> Flax's rotated order (its own inverse)."""
+  return _unrotate(history)
+
+
+def _dot_meta_from_flax(layer: Mapping) -> DotMeta:
+  history_shape = jnp.shape(layer["input_amax_history"])
+  recipe = flax_recipe(int(history_shape[-1]))
+  formats = {"x": E4M3, "kernel": E4M3, "grad": E5M2}
+  metas = {}
+  for role, prefix in _ROLES.items():
+    rotated = _as_float32(layer[f"{prefix}_amax_history"])
+    divisor = _as_float32(layer[f"{prefix}_scale"])
+    lead = rotated.shape[:-1]  # () for one layer, (layers,) under nn.scan
+    if rotated.shape != history_shape or divisor.shape != lead + (1,):
+      raise ValueError(
+          f"{prefix}_amax_history has shape {rotated.shape} and {prefix}_scale "
+          f"{divisor.shape}; a Flax FP8 layer's histories are all {history_shape} and its "
+          f"scales {lead + (1,)}.")
+    history = _unrotate(rotated)
+    # Flax's next step: fp8_max / max(history), or the stored scale when unusable.
+    scale = scale_from_amax(jnp.max(history, axis=-1), formats[role], 0,
+                            fallback=1.0 / divisor[..., 0])
+    metas[role] = Fp8Meta(scale=scale, scale_inv=1.0 / scale, amax_history=history,
+                          amax=jnp.zeros(lead, jnp.float32), recipe=recipe, fmt=formats[role])
+  return DotMeta(**metas)
+
+
+def _dot_meta_to_flax(meta: DotMeta) -> dict:
+  layer = {}
+  for role, prefix in _ROLES.items():
+    role_meta = getattr(meta, role)
+    recipe = role_meta.recipe
+    if (not isinstance(recipe, DelayedScaling) or recipe.amax_compute_algo != "max"
+        or recipe.margin != 0 or recipe.fp8_format != "hybrid"):
+      raise ValueError(
+          f"to_flax_fp8_ops: the {role!r} meta follows {recipe}; Flax's fp8_ops do "
+          "DelayedScaling with amax_compute_algo='max', margin=0, fp8_format='hybrid' only.")
+    layer[f"{prefix}_amax_history"] = _rotate(role_meta.amax_history)
+    layer[f"{prefix}_scale"] = role_meta.scale_inv[..., None]
+  return layer
