@@ -8,7 +8,8 @@ Public submodules besides the names below: `fp8jax.flax.linen` and
 the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering` (GEMM report and
 cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
 `fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`),
-and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
+`fp8jax.telemetry` (what quantization does to each tensor: saturation,
+underflow, SNR), and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
 `fp8jax.data` (its embedded corpus) and `fp8jax.runs` (training runs: `fp8jax
 train`, `compare`, `calibrate`).
 """
@@ -28,7 +29,7 @@ from fp8jax.state_gradients import Fp8StateGradientError, differentiating_fp8_st
 from fp8jax.forward_mode import ForwardModeError
 from fp8jax.fused_attention import AttentionMeta, attention, fp8_attention, init_attention_meta
 from fp8jax.sharding import all_reduce_amax
-from fp8jax import attention_backend, deviceless, fused_kernels, lowering
+from fp8jax import attention_backend, deviceless, fused_kernels, lowering, telemetry
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
@@ -42,5 +43,5 @@ __all__ = [
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
-    "attention_backend", "deviceless", "fused_kernels", "lowering",
+    "attention_backend", "deviceless", "fused_kernels", "lowering", "telemetry",
 ]

@@ -1,0 +1,61 @@
+"""Tensor-level FP8 telemetry for linen models: every FP8 layer call sows its stats.
+
+See `fp8jax.telemetry` for what the stats are and what they cost.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+
+from fp8jax.flax import linen as fp8nn
+from fp8jax.telemetry import TELEMETRY_COLLECTION, dot_stats
+
+
+def linen_tensor_stats():
+  """A context in which fp8jax's linen FP8 layers sow `dot_stats` of each call.
+
+  Inside it, every call of `Fp8Dense`, `Fp8DenseGeneral`, `Fp8Einsum` and
+  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too) whose module can
+  write the "fp8_telemetry" collection sows
+  `tensor_stats(x, meta.x)` under the name "x" and `tensor_stats(kernel,
+  meta.kernel)` under "kernel" (x and kernel after the layer's dtype
+  promotion, i.e. the tensors its FP8 op quantizes). Linen's `sow` keeps a
+  tuple with one entry per call. It does nothing while the collection is not
+  mutable and during `init`, so it can stay on for every step:
+
+    with linen_tensor_stats():
+      y, updates = model.apply({"params": p, "fp8_meta": s}, x,
+                               mutable=["fp8_meta", "fp8_telemetry"])
+    telemetry = updates["fp8_telemetry"]   # {"Fp8Dense_0": {"x": (TensorStats,), ...}}
+
+  Enter it around the `apply` inside the traced loss function (an interceptor
+  acts while JAX traces). Under `nn.scan`, add "fp8_telemetry" to
+  `variable_axes` to get per-layer stats.
+
+  Returns:
+    A context manager (`flax.linen.intercept_methods` with fp8jax's interceptor).
+  """
+  return nn.intercept_methods(_sow_dot_stats)
+
+
+def _sow_dot_stats(next_fun, args, kwargs, context):
+  """The `linen_tensor_stats` interceptor: runs the layer, then sows its operands' stats."""
+  module = context.module
+  out = next_fun(*args, **kwargs)
+  if (context.method_name != "__call__"
+      or not isinstance(module, (fp8nn.Fp8Dense, fp8nn.Fp8DenseGeneral, fp8nn.Fp8Einsum,
+                                 fp8nn.Fp8DotGeneral))
+      or module.is_initializing() or not module.is_mutable_collection(TELEMETRY_COLLECTION)):
+    return out
+  # Within a step only the running amax of a meta changes, so the meta read
+  # after the call has the scale the call quantized with.
+  meta = module.get_variable(fp8nn.FP8_COLLECTION, "dot_meta")
+  if isinstance(module, fp8nn.Fp8DotGeneral):
+    x = args[0] if len(args) > 0 else kwargs["lhs"]
+    kernel = args[1] if len(args) > 1 else kwargs["rhs"]
+  else:
+    x = args[0] if args else kwargs["x"]
+    kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
+    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
+  for role, stats in dot_stats(x, kernel, meta).items():
+    module.sow(TELEMETRY_COLLECTION, role, stats)
+  return out

@@ -1,0 +1,227 @@
+"""FP8 telemetry: how well each tensor fits its FP8 format, as float32 scalars to log.
+
+Two levels, both pure functions that work under `jax.jit`:
+
+* State level, `state_stats(fp8_state)`: for every `Fp8Meta` of a state (a linen
+  "fp8_meta" collection, an nnx state of `Fp8MetaVariable`, `DotMeta` or
+  `AttentionMeta` trees), the amax of the last closed step, the scale the next
+  step will use and the headroom `log2(fmt.max / (amax * scale))`. It reads only
+  the state (a few scalar ops per role), so it is cheap enough for every step,
+  and it covers every role, the output gradient `grad` included.
+* Tensor level, `tensor_stats(x, meta)`: the quantization of a tensor exactly as
+  the FP8 op does it (the same scale for the recipe, the same saturating cast):
+  amax, scale, the fractions that saturate, flush to zero or land in subnormals,
+  and the quantization SNR. For linen models,
+  `fp8jax.flax.linen_telemetry.linen_tensor_stats()` computes
+  them for the input `x` and the `kernel` of every FP8 layer call of a step and
+  sows them into the "fp8_telemetry" collection.
+
+Cost of the tensor level: per tensor one more quantize-dequantize and a handful
+of reductions (for current scaling also an amax pass), i.e. a few extra reads of
+every activation and weight. It is meant for logging steps: jit one step with the
+telemetry collection mutable and run it every N steps, and the plain step
+otherwise (the interceptor does nothing while the collection is not mutable).
+
+What is not covered at tensor level: the output gradient of a matmul exists
+only in the backward pass (its state-level stats show its amax and headroom),
+the attention core of `Fp8MultiHeadAttention` (its projections are covered),
+and nnx models, whose layers are plain Python objects with no method
+interception; for those call `tensor_stats(x, layer.fp8_meta.get_value().x)` on
+the tensors you pass, or log `state_stats`.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.amax import amax as _amax
+from fp8jax.meta import DotMeta, Fp8Meta, check_dot_meta, check_fp8_state, check_role_meta, is_meta
+from fp8jax.quantize import dequantize, quantize
+from fp8jax.scaling import scale_for
+from fp8jax.validation import check_floating
+
+TELEMETRY_COLLECTION = "fp8_telemetry"
+
+
+class TensorStats(NamedTuple):
+  """How one tensor quantizes under its meta; every field is a float32 scalar.
+
+  Attributes:
+    amax: max |x| (NaN if x holds a NaN), as `fp8jax.amax`.
+    scale: the scale the FP8 op multiplies x by: `meta.scale` under delayed
+      scaling, `fmt.max / amax / 2**margin` under current scaling.
+    saturated: fraction of elements with |x * scale| > fmt.max (they are clipped
+      to ±fmt.max; an infinite x counts here too).
+    flushed: fraction of elements with x != 0 whose FP8 value is 0.
+    subnormal: fraction of elements whose FP8 value q is nonzero with
+      |q| < fmt.min_normal.
+    snr_db: 10 * log10(sum(x**2) / sum((x - dequantize(q))**2)) over the finite
+      elements of x, in float32; +inf when the error is zero (an all-zero tensor,
+      or one whose every element is an FP8 value times 1 / scale) or too small
+      against max |x| for float32 to hold its square.
+  """
+
+  amax: jax.Array
+  scale: jax.Array
+  saturated: jax.Array
+  flushed: jax.Array
+  subnormal: jax.Array
+  snr_db: jax.Array
+
+
+class MetaStats(NamedTuple):
+  """State-level facts of one `Fp8Meta`; float32 with the shape of `meta.scale`.
+
+  Attributes:
+    amax: `amax_history[..., 0]`, the amax of the last closed step.
+    scale: `meta.scale`, the scale the next step quantizes with (under current
+      scaling the op computes its own from the tensor instead).
+    headroom: `log2(fmt.max / (amax * scale))`: how many binades a tensor with
+      last step's amax has below fmt.max under this scale. 0 means it exactly
+      fills the format (delayed scaling with margin 0 right after that amax set
+      the scale), negative means such a tensor saturates, +inf means amax is 0
+      (the role saw no data).
+  """
+
+  amax: jax.Array
+  scale: jax.Array
+  headroom: jax.Array
+
+
+def tensor_stats(x: jax.Array, meta: Fp8Meta) -> TensorStats:
+  """Quantization statistics of `x` under one role's `meta`, as the FP8 op computes q.
+
+  With `s` the scale that `fp8jax.scaling.quantize_with_meta` uses for this
+  recipe (`scale_for(meta, amax(x))`), `q = fp8(clip(float32(x) * s, ±fmt.max))`
+  rounded to nearest even, and `n = x.size`:
+
+    saturated = #{|x * s| > fmt.max} / n
+    flushed   = #{x != 0 and q == 0} / n
+    subnormal = #{q != 0 and |q| < fmt.min_normal} / n
+    snr_db    = 10 * log10(sum(x**2) / sum((x - q / s)**2))   over finite x
+
+  Fractions of an empty tensor are 0. The state is not changed (no amax is
+  recorded) and no gradient flows through the result. Inside `shard_map` the
+  fractions and SNR are those of this device's shard.
+
+  Args:
+    x: floating array of any shape (bf16, f16 or f32): the tensor the op quantizes.
+    meta: the unstacked `Fp8Meta` of x's role, e.g. `dot_meta.x` or `dot_meta.kernel`.
+
+  Returns:
+    `TensorStats` of float32 scalars.
+  """
+  check_floating(x, "x")
+  if not isinstance(meta, Fp8Meta):
+    raise TypeError(
+        f"meta must be one role's fp8jax.Fp8Meta, got a {type(meta).__name__}. Pass the "
+        "role that quantizes x, e.g. dot_meta.x for a matmul's input or dot_meta.kernel "
+        "for its weight (fp8jax.telemetry.dot_stats(x, kernel, dot_meta) does both).")
+  check_role_meta(meta, "meta")
+  x, meta = jax.lax.stop_gradient((x, meta))  # telemetry only observes
+  fmt = meta.fmt
+  x32 = x.astype(jnp.float32)
+  x_amax = _amax(x)
+  scale = scale_for(meta, x_amax, like=x)
+  q = quantize(x, scale, fmt)
+  q32 = q.astype(jnp.float32)
+  n = jnp.float32(max(x.size, 1))
+
+  def fraction(mask):
+    return jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32) / n
+
+  finite = jnp.isfinite(x32)
+  signal = jnp.where(finite, x32, 0.0)
+  error = jnp.where(finite, x32 - dequantize(q, scale), 0.0)
+  # The SNR does not change when x and the error are divided by a common factor;
+  # dividing by max |x| keeps the squares inside float32 for any finite x
+  # (|x| > 1.8e19 would square to inf).
+  norm = jnp.max(jnp.abs(signal), initial=0.0)
+  norm = jnp.where(norm > 0, norm, 1.0)
+  signal_power = jnp.sum(jnp.square(signal / norm))
+  noise_power = jnp.sum(jnp.square(error / norm))
+  snr_db = jnp.where(noise_power > 0, 10.0 * jnp.log10(signal_power / noise_power), jnp.inf)
+  return TensorStats(
+      amax=x_amax,
+      scale=jnp.asarray(scale, jnp.float32),
+      saturated=fraction(jnp.abs(x32 * scale) > fmt.max),
+      flushed=fraction((x32 != 0) & (q32 == 0)),
+      subnormal=fraction((q32 != 0) & (jnp.abs(q32) < fmt.min_normal)),
+      snr_db=snr_db.astype(jnp.float32))
+
+
+def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta) -> dict[str, TensorStats]:
+  """`tensor_stats` of both forward operands of one FP8 matmul.
+
+  Args:
+    x: the activation passed to `fp8_dot_general` / `fp8_dense` / `fp8_einsum`.
+    kernel: the weight passed with it.
+    meta: that call's `DotMeta`.
+
+  Returns:
+    {"x": tensor_stats(x, meta.x), "kernel": tensor_stats(kernel, meta.kernel)}.
+  """
+  check_dot_meta(meta, "meta")
+  return {"x": tensor_stats(x, meta.x), "kernel": tensor_stats(kernel, meta.kernel)}
+
+
+def state_stats(fp8_state: Any) -> dict[str, MetaStats]:
+  """`MetaStats` of every `Fp8Meta` in an FP8 state, keyed by its path.
+
+  Log the state that `fp8jax.value_and_grad` (or `end_step`) returned: its
+  newest history entry is the step just taken and its scale the next step's.
+  Per role, with `a = amax_history[..., 0]` and `s = scale`:
+
+    headroom = log2(fmt.max) - log2(a) - log2(s)     (float32; +inf when a == 0)
+
+  Args:
+    fp8_state: a pytree of `Fp8Meta`: a linen `variables["fp8_meta"]`, an nnx
+      `nnx.state(model, Fp8MetaVariable)`, a `DotMeta`, or any tree of them.
+      Metas stacked over layers give stats of their stacked shape.
+
+  Returns:
+    {path: MetaStats}, path joining the tree's keys with "/", e.g.
+    "Fp8Dense_0/dot_meta/x" (the `.value` of an nnx Variable is left out; a
+    lone `Fp8Meta` is keyed "meta").
+  """
+  check_fp8_state(fp8_state, "fp8_state")
+  stats = {}
+  for path, meta in jax.tree_util.tree_flatten_with_path(fp8_state, is_leaf=is_meta)[0]:
+    newest = meta.amax_history[..., 0]
+    headroom = jnp.log2(jnp.float32(meta.fmt.max)) - jnp.log2(newest) - jnp.log2(meta.scale)
+    stats[_path_string(path) or "meta"] = MetaStats(amax=newest, scale=meta.scale,
+                                                   headroom=headroom)
+  return stats
+
+
+def scalars(stats: Any, prefix: str = "") -> dict[str, jax.Array]:
+  """Flattens a tree of stats into {"path/field": scalar} for a metrics logger.
+
+  Args:
+    stats: what `state_stats`, `dot_stats` or the "fp8_telemetry" collection give.
+    prefix: prepended to every key, e.g. "fp8/".
+
+  Returns:
+    A flat dict, e.g. {"Fp8Dense_0/dot_meta/x/headroom": ..., "Fp8Dense_0/x/0/snr_db": ...}
+    (linen's sow keeps one entry per call, hence the call index "0").
+  """
+  return {prefix + _path_string(path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]}
+
+
+def _path_string(path) -> str:
+  """A pytree key path as "a/b/0/c"; skips nnx Variables' `.value`."""
+  parts = []
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      parts.append(str(key.key))
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(str(key.idx))
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      if key.name != "value":
+        parts.append(key.name)
+    else:
+      parts.append(str(key).strip(".[]'\""))
+  return "/".join(parts)
