@@ -12,6 +12,10 @@
 * `running_amax`: the amax-only pass of the same kernel, max(amax_in, max|x|) (the
   module's `cast_transpose.amax`, renamed here so it does not read like
   `fp8jax.quantize.amax`, which takes no running amax).
+* `block_scaled_matmul`: the DeepSeek-V3 style FP8 GEMM for Hopper (Mosaic GPU):
+  E4M3 operands with 1x128 (A) and 128x128 (B) descales, FP8 `wgmma` per 128 of K,
+  promoted into an f32 accumulator; `block_scaled_matmul_reference` is its plain-jnp
+  definition and CPU path, `BlockScaledMatmulBlockSizes` its tiles.
 * `close_steps`: the end-of-step update of delayed scaling (history roll, new
   scale and reciprocal) for many tensor roles in one launch;
   `close_steps_reference` is its plain-jnp definition; `amax_max` the max of
@@ -26,8 +30,12 @@ from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention
                                             fp8_forward_reference)
 from pallas_kernels.flash_attention_fp8_hopper import (
     flash_attention_fp8 as hopper_fp8_attention_forward, transpose_v)
+from pallas_kernels.block_scaled_matmul import (BlockScaledMatmulBlockSizes,
+                                                block_scaled_matmul,
+                                                block_scaled_matmul_reference)
 
 __all__ = [
+    "BlockScaledMatmulBlockSizes", "block_scaled_matmul", "block_scaled_matmul_reference",
     "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "cast_transpose_amax",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
