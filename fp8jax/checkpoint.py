@@ -105,9 +105,21 @@ def _orbax():
   return ocp
 
 
+# Recipe options added after checkpoint version 3, with the value that leaves a
+# recipe as it was: written only when set, so that the description of a recipe
+# that does not use them is the one earlier fp8jax wrote (and older checkpoints
+# still match their targets). `recipe_from_description` fills in the defaults.
+_OPTIONAL_RECIPE_FIELDS = {"power_of_two": False, "high_precision": ()}
+
+
 def describe_recipe(recipe) -> dict:
-  """A JSON-able description of a recipe: its class name and fields."""
-  return {"kind": type(recipe).__name__, **dataclasses.asdict(recipe)}
+  """A JSON-able description of a recipe: its class name and fields (tuples as lists)."""
+  fields = {}
+  for name, value in dataclasses.asdict(recipe).items():
+    if name in _OPTIONAL_RECIPE_FIELDS and value == _OPTIONAL_RECIPE_FIELDS[name]:
+      continue
+    fields[name] = list(value) if isinstance(value, tuple) else value
+  return {"kind": type(recipe).__name__, **fields}
 
 
 def recipe_from_description(description: dict):

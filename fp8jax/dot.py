@@ -27,6 +27,13 @@ the gradient role's amax is recorded in the cotangent of `meta` during the
 backward pass, max-combined with the cotangent flowing in from later uses.
 Threading the meta (use -> new meta -> next use) therefore gives the max over
 all uses in both directions; see `fp8jax.value_and_grad`.
+
+Recipe options: GEMMs named in a recipe's `high_precision` run as
+`lax.dot_general` in the input dtype on the unquantized operands (such recipes
+take the general path, which keeps those operands as residuals); amaxes are
+recorded for every role all the same. Per-row and per-block recipes
+(`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`) run in
+`fp8jax.fine_grained_dot`.
 """
 from __future__ import annotations
 
@@ -44,7 +51,8 @@ from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import quantize
-from fp8jax.recipes import CurrentScaling
+from fp8jax.fine_grained_dot import fine_grained_dot_general
+from fp8jax.recipes import CurrentScaling, is_fine_grained
 from fp8jax.scaling import quantize_with_meta, record_amax, scale_for, scale_from_amax
 from fp8jax.sharding import global_amax, match_operand_axes, varying_axes
 from fp8jax.validation import check_floating
@@ -71,11 +79,18 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   check_floating(kernel, "kernel")
   check_dot_meta(meta, "meta")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
+  fine_grained = is_fine_grained(meta.recipe)
   layout = matrix_layout(dims, x.shape, kernel.shape)
+  if fine_grained or meta.recipe.high_precision:
+    # Per-row / per-block recipes have their own GEMMs; high-precision GEMMs take the
+    # general path, which keeps the unquantized operands they need.
+    layout = None
   reused = _reused_kernel(kernel, meta.kernel, layout) if not varying_axes(x, kernel) else None
   x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
   with reverse_mode_only("An FP8 matmul (fp8jax.fp8_dot_general, under fp8_dense, fp8_einsum "
                          "and the Flax FP8 layers)", "jax.lax.dot_general / jnp.einsum"):
+    if fine_grained:
+      return fine_grained_dot_general(x, kernel, meta, dims)
     return _fp8_dot(x, kernel, meta, reused, dims, jnp.dtype(kernel.dtype), layout)
 
 
@@ -110,11 +125,17 @@ def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
   qx, scale_x, meta_x = quantize_with_meta(x, meta.x)
   qk, scale_k, meta_k = quantize_with_meta(kernel, meta.kernel)
   scale_inv_x, scale_inv_k = descale(meta.x, scale_x), descale(meta.kernel, scale_k)
+  high = meta.recipe.high_precision
   # Named scopes label the three GEMMs in HLO metadata (fp8jax.lowering reads them).
   with jax.named_scope("fp8_fprop"):
-    out = scaled_dot(qx, qk, scale_inv_x, scale_inv_k, dims, x.dtype)
+    if "fprop" in high:  # in x's dtype, as the FP8 product is returned
+      out = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
+    else:
+      out = scaled_dot(qx, qk, scale_inv_x, scale_inv_k, dims, x.dtype)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
-  residuals = (qx, qk, scale_inv_x, scale_inv_k, meta.grad)
+  # A high-precision backward GEMM reads the unquantized operand instead of its FP8 copy.
+  residuals = (x if "wgrad" in high else qx, kernel if "dgrad" in high else qk,
+               scale_inv_x, scale_inv_k, meta.grad)
   return out, new_meta, residuals
 
 
@@ -134,6 +155,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
             reused_cotangent)
 
   qx, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
+  high = grad_meta.recipe.high_precision
   g_amax = amax(g)
   scale_g = scale_for(grad_meta, g_amax, like=g)
   scale_inv_g = descale(grad_meta, scale_g)
@@ -141,13 +163,19 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
 
   dgrad_dims, dgrad_perm = dgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
   with jax.named_scope("fp8_dgrad"):
-    dx = jnp.transpose(scaled_dot(qg, qk, scale_inv_g, scale_inv_k, dgrad_dims, g.dtype),
-                       dgrad_perm)
+    if "dgrad" in high:  # qk is the unquantized kernel
+      dx = jax.lax.dot_general(g, qk.astype(g.dtype), dgrad_dims)
+    else:
+      dx = scaled_dot(qg, qk, scale_inv_g, scale_inv_k, dgrad_dims, g.dtype)
+    dx = jnp.transpose(dx, dgrad_perm)
 
   wgrad_dims, wgrad_perm = wgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
   with jax.named_scope("fp8_wgrad"):
-    dk = jnp.transpose(scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype),
-                       wgrad_perm)
+    if "wgrad" in high:  # qx is the unquantized x
+      dk = jax.lax.dot_general(qx, g.astype(qx.dtype), wgrad_dims).astype(kernel_dtype)
+    else:
+      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype)
+    dk = jnp.transpose(dk, wgrad_perm)
 
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, g_amax))
@@ -220,7 +248,7 @@ def _quantize_matrix(t, meta, like, partner_descales):
   if isinstance(meta.recipe, CurrentScaling):
     t_amax = tensor_amax(t)
     scale = scale_from_amax(global_amax(t_amax, like), meta.fmt, meta.recipe.margin,
-                            fallback=meta.scale)
+                            fallback=meta.scale, power_of_two=meta.recipe.power_of_two)
     scale_inv = 1.0 / scale
     running = amax_max(meta.amax, t_amax)
   else:

@@ -8,20 +8,79 @@ A recipe is a frozen, hashable dataclass, so it can be a static argument of
 * `CurrentScaling`: the scale comes from the tensor's own amax, just in time.
 
 In both, `scale = fp8_max / amax / 2**margin` and quantization is
-`q = saturate(x * scale)`.
+`q = saturate(x * scale)`. Both take two options: `power_of_two` rounds every
+scale down to a power of two (so `amax * scale <= fp8_max` still holds and the
+descale `1 / scale` is exact), and `high_precision` names GEMMs ("fprop",
+"dgrad", "wgrad") that run in the input dtype on the unquantized operands.
+
+Finer-grained recipes scale each operand of each GEMM along that GEMM's
+contraction axis, from the tensor itself (no history), and run through
+`fp8jax.fine_grained_dot`:
+
+* `RowwiseScaling`: one scale per row of the left operand and per column of the
+  right one; the scales multiply the GEMM's float32 product (an epilogue).
+* `BlockScaling`: DeepSeek-V3 style, 1 x B tiles for activations and gradients,
+  B x B blocks for weights.
+* `MXFP8Scaling`: OCP MX, 32-element blocks with power-of-two (E8M0) scales.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from fp8jax.formats import Fp8Format, formats_for
+from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.validation import check_int
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The three GEMMs of a matmul's training step: out = x @ k, dx = g @ k^T, dk = x^T @ g.
+GEMMS = ("fprop", "dgrad", "wgrad")
+BLOCK_GEMMS = ("emulated", "pallas_hopper")
+# MX element formats: the same format for every role.
+MX_FORMAT_CHOICES = {"e4m3": (E4M3, E4M3), "e5m2": (E5M2, E5M2)}
+
+
+def _check_bool(name: str, value) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{name}={value!r} must be True or False.")
+
+
+def _normalized_high_precision(value) -> tuple[str, ...]:
+  """`value` as a tuple of GEMM names (a list, as JSON gives it back, is accepted)."""
+  if isinstance(value, str) or not isinstance(value, (tuple, list)):
+    raise ValueError(
+        f"high_precision={value!r} must be a tuple of GEMM names from {GEMMS}, e.g. "
+        "('wgrad',) for a high-precision weight gradient; a single name needs a tuple "
+        "('wgrad',), not 'wgrad'.")
+  for name in value:
+    if name not in GEMMS:
+      raise ValueError(
+          f"high_precision={tuple(value)!r} names {name!r}, which is not a GEMM of a "
+          f"matmul; use names from {GEMMS}.")
+  if len(set(value)) != len(value):
+    raise ValueError(f"high_precision={tuple(value)!r} names a GEMM twice; name each once.")
+  return tuple(value)
+
+
+def _set_high_precision(recipe) -> None:
+  # A frozen dataclass sets its own normalized field through object.__setattr__.
+  object.__setattr__(recipe, "high_precision",
+                     _normalized_high_precision(recipe.high_precision))
+
+
+class _NamedFormats:
+  """`forward_format` / `gradient_format` from the recipe's `fp8_format` name ("hybrid": E4M3
+  forward, E5M2 gradients; "e4m3": E4M3 everywhere)."""
+
+  @property
+  def forward_format(self) -> Fp8Format:
+    return formats_for(self.fp8_format)[0]
+
+  @property
+  def gradient_format(self) -> Fp8Format:
+    return formats_for(self.fp8_format)[1]
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_NamedFormats):
   """Delayed scaling from a window of past amaxes.
 
   Attributes:
@@ -30,12 +89,20 @@ class DelayedScaling:
       (the newest amax only).
     margin: the scale is divided by 2**margin, leaving headroom (>= 0).
     fp8_format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3".
+    power_of_two: round each scale down to a power of two (its float32
+      mantissa bits cleared), so `amax * scale <= fp8_max` still holds and
+      `scale_inv` is exact.
+    high_precision: GEMMs among ("fprop", "dgrad", "wgrad") that run in the
+      input dtype on the unquantized operands (e.g. ("wgrad",)); amaxes are
+      still recorded for every role.
   """
 
   amax_history_len: int = 16
   amax_compute_algo: str = "max"
   margin: int = 0
   fp8_format: str = "hybrid"
+  power_of_two: bool = False
+  high_precision: tuple[str, ...] = ()
 
   def __post_init__(self):
     check_int("amax_history_len", self.amax_history_len, minimum=1)
@@ -45,35 +112,35 @@ class DelayedScaling:
           f"use one of {AMAX_COMPUTE_ALGOS}.")
     check_int("margin", self.margin, minimum=0)
     formats_for(self.fp8_format)
+    _check_bool("power_of_two", self.power_of_two)
+    _set_high_precision(self)
 
   @property
   def history_len(self) -> int:
     return self.amax_history_len
 
-  @property
-  def forward_format(self) -> Fp8Format:
-    return formats_for(self.fp8_format)[0]
-
-  @property
-  def gradient_format(self) -> Fp8Format:
-    return formats_for(self.fp8_format)[1]
-
 
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_NamedFormats):
   """Just-in-time scaling from each tensor's own amax (no history).
 
   Attributes:
     margin: the scale is divided by 2**margin (>= 0).
     fp8_format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3".
+    power_of_two: round each scale down to a power of two (as in `DelayedScaling`).
+    high_precision: GEMMs that run in the input dtype (as in `DelayedScaling`).
   """
 
   margin: int = 0
   fp8_format: str = "hybrid"
+  power_of_two: bool = False
+  high_precision: tuple[str, ...] = ()
 
   def __post_init__(self):
     check_int("margin", self.margin, minimum=0)
     formats_for(self.fp8_format)
+    _check_bool("power_of_two", self.power_of_two)
+    _set_high_precision(self)
 
   @property
   def history_len(self) -> int:
@@ -82,21 +149,145 @@ class CurrentScaling:
 
   amax_compute_algo = "most_recent"
 
+
+class _FineGrained:
+  """What the per-row / per-block recipes share: scales come from the tensor itself.
+
+  The meta keeps a one-entry amax history of each role's whole tensor, for
+  reporting (like `CurrentScaling`); the scales a GEMM uses are computed from
+  its operands, per row or per block, and are not stored.
+  """
+
+  amax_compute_algo = "most_recent"
+  margin = 0
+
+  @property
+  def history_len(self) -> int:
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling(_NamedFormats, _FineGrained):
+  """Current scaling per row of each GEMM's left operand and per column of its right one.
+
+  Every GEMM `A [P, C] @ B [C, Q]` quantizes A with one scale per row (amax over
+  the contraction axis C) and B with one per column, and multiplies its float32
+  product by the outer product of the two descale vectors:
+  `out[p, q] = (q(A) @ q(B))[p, q] * a_inv[p] * b_inv[q]`. So x is scaled per
+  row for fprop and per column (over M) for wgrad, the kernel per column for
+  fprop and per row (over N) for dgrad, g per row for dgrad and per column for wgrad.
+
+  Attributes:
+    fp8_format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3".
+    power_of_two: round each scale down to a power of two.
+    high_precision: GEMMs among ("fprop", "dgrad", "wgrad") run in the input dtype.
+  """
+
+  fp8_format: str = "hybrid"
+  power_of_two: bool = False
+  high_precision: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    formats_for(self.fp8_format)
+    _check_bool("power_of_two", self.power_of_two)
+    _set_high_precision(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling(_NamedFormats, _FineGrained):
+  """DeepSeek-V3 block scaling: 1 x B tiles for activations and gradients, B x B for weights.
+
+  Each GEMM quantizes its operands along its contraction axis: x in 1 x B tiles
+  along K (fprop) and along M (wgrad), g along N (dgrad) and along M (wgrad),
+  one float32 scale `fmt.max / amax(tile)` per tile; the kernel in B x B
+  blocks, which serve fprop and dgrad alike. A partial last tile or block has
+  its own scale from its own elements.
+
+  Attributes:
+    block_size: B, a positive multiple of 16 (default 128).
+    fp8_format: "e4m3" (E4M3 everywhere, the default) or "hybrid".
+    power_of_two: round each scale down to a power of two.
+    high_precision: GEMMs among ("fprop", "dgrad", "wgrad") run in the input dtype.
+    gemm: "emulated" (dequantize per tile, float32 dot at HIGHEST precision;
+      every platform) or "pallas_hopper" (fprop and dgrad on the block-scaled
+      Mosaic GPU kernel of `pallas_kernels.block_scaled_matmul`; a GPU only,
+      block_size 128, fp8_format "e4m3").
+  """
+
+  block_size: int = 128
+  fp8_format: str = "e4m3"
+  power_of_two: bool = False
+  high_precision: tuple[str, ...] = ()
+  gemm: str = "emulated"
+
+  def __post_init__(self):
+    if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+        or self.block_size <= 0 or self.block_size % 16):
+      raise ValueError(
+          f"block_size={self.block_size!r} must be a positive multiple of 16 (FP8 GEMM "
+          "tiles are multiples of 16); DeepSeek-V3 uses 128.")
+    formats_for(self.fp8_format)
+    _check_bool("power_of_two", self.power_of_two)
+    _set_high_precision(self)
+    if self.gemm not in BLOCK_GEMMS:
+      raise ValueError(f"gemm={self.gemm!r} is not supported; use one of {BLOCK_GEMMS}.")
+    if self.gemm == "pallas_hopper" and (self.block_size, self.fp8_format) != (128, "e4m3"):
+      raise ValueError(
+          f"gemm='pallas_hopper' runs the block-scaled kernel, which takes 128-wide blocks "
+          f"of E4M3 only; got block_size={self.block_size}, fp8_format={self.fp8_format!r}. "
+          "Use block_size=128, fp8_format='e4m3', or gemm='emulated'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8Scaling(_FineGrained):
+  """OCP MX (MXFP8): 32-element blocks along each GEMM's contraction axis, E8M0 scales.
+
+  Per block, `shared_exp = clip(floor(log2(amax)) - emax, -127, 127)` with emax
+  8 for E4M3 and 15 for E5M2, and the elements are `saturate(x / 2**shared_exp)`
+  in the element format (`fp8jax.block_quantize.quantize_mx`). Every operand of
+  every GEMM, weights included, is quantized in 1 x 32 blocks along that GEMM's
+  contraction axis. Emulated (dequantize, float32 dot) on every platform.
+
+  Attributes:
+    fp8_format: the element format of every role: "e4m3" (default) or "e5m2".
+    high_precision: GEMMs among ("fprop", "dgrad", "wgrad") run in the input dtype.
+  """
+
+  fp8_format: str = "e4m3"
+  high_precision: tuple[str, ...] = ()
+
+  block_size = 32  # fixed by the MX specification
+  power_of_two = True  # E8M0 scales are powers of two
+
+  def __post_init__(self):
+    if self.fp8_format not in MX_FORMAT_CHOICES:
+      raise ValueError(
+          f"fp8_format={self.fp8_format!r} is not an MXFP8 element format; use one of "
+          f"{sorted(MX_FORMAT_CHOICES)} (MX uses one element format for every role).")
+    _set_high_precision(self)
+
   @property
   def forward_format(self) -> Fp8Format:
-    return formats_for(self.fp8_format)[0]
+    return MX_FORMAT_CHOICES[self.fp8_format][0]
 
   @property
   def gradient_format(self) -> Fp8Format:
-    return formats_for(self.fp8_format)[1]
+    return MX_FORMAT_CHOICES[self.fp8_format][1]
 
 
-Recipe = DelayedScaling | CurrentScaling
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
+RECIPE_CLASSES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
+
+
+def is_fine_grained(recipe) -> bool:
+  """True for the per-row / per-block recipes, which `fp8jax.fine_grained_dot` runs."""
+  return isinstance(recipe, _FineGrained)
 
 
 def check_recipe(recipe, argname: str = "recipe") -> None:
   """Raises TypeError unless `recipe` is a scaling recipe object."""
-  if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+  if not isinstance(recipe, RECIPE_CLASSES):
+    names = ", ".join(cls.__name__ for cls in RECIPE_CLASSES)
     raise TypeError(
-        f"{argname} must be a fp8jax recipe (DelayedScaling or CurrentScaling), "
+        f"{argname} must be a fp8jax recipe ({names}), "
         f"got {type(recipe).__name__}: {recipe!r}.")

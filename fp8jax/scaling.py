@@ -13,7 +13,8 @@ Per role and per step t (DESIGN numerics contract):
    `window = max(history)` ("max") or `history[0]` ("most_recent") and
    `scale = fp8_max / window / 2**margin`. If the step's amax was 0, inf or NaN,
    or the result is not a finite positive number, the old scale is kept.
-   `scale_inv = 1 / scale` and the running amax returns to 0.
+   `scale_inv = 1 / scale` and the running amax returns to 0. Under
+   `power_of_two=True` the new scale is then rounded down to a power of two.
 
 On a GPU `end_step` runs as one kernel per recipe (per 32 roles) that reads
 and writes every role's arrays directly (`fp8jax.fused_kernels.close_steps`); XLA on
@@ -32,14 +33,15 @@ from fp8jax import fused_kernels
 from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta, map_metas
 from fp8jax.amax import amax, amax_max
+from fp8jax.block_quantize import round_down_to_power_of_two
 from fp8jax.quantize import quantize
-from fp8jax.recipes import CurrentScaling
+from fp8jax.recipes import CurrentScaling, is_fine_grained
 from fp8jax.sharding import global_amax
 from fp8jax.validation import check_format, check_int
 
 
 def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
-                    fallback: jax.Array) -> jax.Array:
+                    fallback: jax.Array, power_of_two: bool = False) -> jax.Array:
   """`fmt.max / amax / 2**margin`, or `fallback` when that is not finite and positive.
 
   Args:
@@ -47,13 +49,17 @@ def scale_from_amax(amax: jax.Array, fmt: Fp8Format, margin: int,
     fmt: the FP8 format the tensor is cast to.
     margin: power-of-two headroom.
     fallback: float32[] scale to keep when `amax` gives no usable scale.
+    power_of_two: round the scale down to a power of two (its float32 mantissa
+      bits cleared): `amax * scale <= fmt.max` still holds and `1 / scale` is exact.
 
   Returns:
     float32[] scale.
   """
   check_format(fmt, "fmt")
   check_int("margin", margin, minimum=0)
-  return _scale_from_amax(amax, jnp.float32(fmt.max / 2.0**margin), fallback)
+  scale = _scale_from_amax(amax, jnp.float32(fmt.max / 2.0**margin), fallback)
+  # The fallback is a scale this rule made before (or 1), so rounding it changes nothing.
+  return round_down_to_power_of_two(scale) if power_of_two else scale
 
 
 def _scale_from_amax(amax, numerator, fallback):
@@ -166,6 +172,11 @@ def _close_together(metas, cotangents, recipe):
       amaxes, other_amaxes, histories, scales, numerators=numerators,
       history_len=recipe.history_len, amax_compute_algo=recipe.amax_compute_algo,
       reference=reference)
+  if recipe.power_of_two:
+    # After the fused close (whose kernel knows nothing of the option): round each
+    # new scale down to a power of two, whose reciprocal is exact.
+    new_scales = [round_down_to_power_of_two(scale) for scale in new_scales]
+    scale_invs = [1.0 / scale for scale in new_scales]
   return [dataclasses.replace(
       meta, scale=scale.reshape(jnp.shape(meta.scale)),
       scale_inv=scale_inv.reshape(jnp.shape(meta.scale)),
@@ -234,10 +245,14 @@ def scale_for(meta: Fp8Meta, x_amax: jax.Array, like: jax.Array | None = None) -
   """The float32[] scale to quantize a tensor of amax `x_amax` with under `meta`.
 
   `like` is the tensor itself: under `shard_map`, current scaling takes the max
-  of `x_amax` over the devices holding the other shards of that tensor.
+  of `x_amax` over the devices holding the other shards of that tensor. The
+  per-row / per-block recipes scale per tensor, from its own amax, where one
+  scale per tensor is all an op takes (the fused attention kernels).
   """
-  if isinstance(meta.recipe, CurrentScaling):
+  if isinstance(meta.recipe, CurrentScaling) or is_fine_grained(meta.recipe):
     if like is not None:
       x_amax = global_amax(x_amax, like)
-    return scale_from_amax(x_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale)
+    return scale_from_amax(x_amax, meta.fmt, getattr(meta.recipe, "margin", 0),
+                           fallback=meta.scale,
+                           power_of_two=getattr(meta.recipe, "power_of_two", False))
   return meta.scale

@@ -1,0 +1,220 @@
+"""FP8 quantization with one scale per row, per 1 x B tile, per B x B block, or per MX block.
+
+A 2-D array `x [R, C]` (any leading batch dims are carried along) is cut into
+blocks of `block = (br, bc)` elements over its last two axes; the last block
+along an axis may be partial and gets its own scale from its own elements.
+Per block b with `amax_b = max |x|` over the block:
+
+    float32 scales:  scale_b = fmt.max / amax_b             (float32 division, as
+                                                              fp8jax.scale_from_amax)
+                     power_of_two: scale_b rounded down to a power of two
+                     (amax_b 0, inf or NaN, or a scale that is not a finite
+                     positive number: scale_b = 1)
+    MX (E8M0):       shared_b = clip(floor(log2(amax_b)) - emax, -127, 127),
+                     scale_inv_b = 2**shared_b, scale_b = 2**-shared_b
+    elements:        q = saturate(x * scale_b)  in fmt (product in float32,
+                     clipped to +-fmt.max, rounded to nearest even)
+    dequantized:     q * scale_inv_b,  scale_inv_b = 1 / scale_b
+
+A row scale of `x [R, C]` is the block (1, C), a column scale (R, 1), a 1 x B
+tile along the last axis (1, B), a B x B block (B, B).
+
+MX follows the OCP Microscaling Formats (MX) v1.0 specification: emax is the
+exponent of the element format's largest normal (8 for E4M3, 15 for E5M2), so
+the block's largest element lands in [2**emax, 2**(emax+1)) before the cast and
+saturates to fmt.max when it lies above it (E4M3: 448 < 2**9). A block whose
+amax is 0 has floor(log2 0) = -inf, clamped to the smallest E8M0 value, 2**-127
+(the convention of the OCP reference code); its elements are all 0. A block
+holding a NaN or an infinity gets the E8M0 NaN (code 255): every element of it
+dequantizes to NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.formats import E4M3, E5M2, Fp8Format
+from fp8jax.validation import check_floating, check_format
+
+# Exponent of the largest normal of each element format (OCP MX v1.0, table 1).
+MX_EMAX = {E4M3.name: 8, E5M2.name: 15}
+MX_BLOCK = 32
+E8M0_NAN = 255
+_EXPONENT_BITS = 0x7F800000  # the exponent field of a float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockQuantized:
+  """FP8 values with one descale per block.
+
+  Attributes:
+    q: [..., R, C] in an FP8 dtype.
+    scale_inv: float32 [..., ceil(R / br), ceil(C / bc)]: `1 / scale` of each block.
+    block: static (br, bc), the block shape over the last two axes.
+  """
+
+  q: jax.Array
+  scale_inv: jax.Array
+  block: tuple[int, int]
+
+  def transpose(self) -> "BlockQuantized":
+    """The same quantization of the transposed matrix (last two axes swapped)."""
+    return BlockQuantized(jnp.swapaxes(self.q, -1, -2), jnp.swapaxes(self.scale_inv, -1, -2),
+                          (self.block[1], self.block[0]))
+
+
+jax.tree_util.register_dataclass(BlockQuantized, data_fields=["q", "scale_inv"],
+                                 meta_fields=["block"])
+
+
+def block_amax(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """float32 [..., ceil(R / br), ceil(C / bc)]: the absolute maximum of each block of `x`.
+
+  Exact, and NaN wins (an int32 max over the float32 bit patterns of |x|, as
+  `fp8jax.amax`). A partial last block is padded with zeros, which change no max.
+  """
+  br, bc = _check_block(block, x)
+  rows, cols = x.shape[-2:]
+  n_r, n_c = -(-rows // br), -(-cols // bc)
+  bits = jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32)
+  pad = [(0, 0)] * (x.ndim - 2) + [(0, n_r * br - rows), (0, n_c * bc - cols)]
+  bits = jnp.pad(bits, pad).reshape(*x.shape[:-2], n_r, br, n_c, bc)
+  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=(-3, -1)), jnp.float32)
+
+
+def round_down_to_power_of_two(value: jax.Array) -> jax.Array:
+  """The largest power of two <= `value`, for finite float32 `value` > 0 (0 stays 0).
+
+  A normal float32 keeps its exponent field and loses its mantissa bits; a
+  subnormal one keeps only its highest set bit.
+  """
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(value, jnp.float32), jnp.int32)
+  normal = bits & _EXPONENT_BITS
+  top_bit = jnp.left_shift(jnp.int32(1), jnp.maximum(31 - jax.lax.clz(bits), 0))
+  subnormal = jnp.where(bits > 0, top_bit, 0)
+  return jax.lax.bitcast_convert_type(jnp.where(normal > 0, normal, subnormal), jnp.float32)
+
+
+def scales_from_amax(amax: jax.Array, fmt: Fp8Format, power_of_two: bool = False) -> jax.Array:
+  """float32 `fmt.max / amax` per entry (rounded down to a power of two if asked); 1 where
+  `amax` is 0, inf or NaN or the quotient is not a finite positive number."""
+  scale = jnp.float32(fmt.max) / jnp.asarray(amax, jnp.float32)
+  if power_of_two:
+    scale = round_down_to_power_of_two(scale)
+  usable = jnp.isfinite(scale) & (scale > 0)
+  return jnp.where(usable, scale, jnp.float32(1.0))
+
+
+def expand_blocks(values: jax.Array, block: tuple[int, int], shape) -> jax.Array:
+  """Per-block `values [..., nR, nC]` repeated to every element of an array of `shape`."""
+  br, bc = block
+  rows, cols = shape[-2:]
+  out = jnp.repeat(jnp.repeat(values, br, axis=-2), bc, axis=-1)
+  return out[..., :rows, :cols]
+
+
+def quantize_with_block_scales(x: jax.Array, scale: jax.Array, block: tuple[int, int],
+                               fmt: Fp8Format) -> BlockQuantized:
+  """`saturate(x * scale_b)` in `fmt` per block, with `scale_inv = 1 / scale` (float32)."""
+  per_element = expand_blocks(scale, block, x.shape)
+  scaled = x.astype(jnp.float32) * per_element
+  q = jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
+  return BlockQuantized(q, 1.0 / scale, tuple(block))
+
+
+def quantize_blocks(x: jax.Array, fmt: Fp8Format, block: tuple[int, int],
+                    power_of_two: bool = False) -> BlockQuantized:
+  """Quantizes `x [..., R, C]` with one float32 scale `fmt.max / amax` per block.
+
+  Args:
+    x: floating array with at least 2 dims.
+    fmt: fp8jax.E4M3 or fp8jax.E5M2.
+    block: (br, bc); (1, C) is one scale per row, (R, 1) per column.
+    power_of_two: round each scale down to a power of two.
+
+  Returns:
+    `BlockQuantized` with q in fmt.dtype and float32 scale_inv per block.
+  """
+  check_floating(x, "x")
+  check_format(fmt, "fmt")
+  scale = scales_from_amax(block_amax(x, block), fmt, power_of_two)
+  return quantize_with_block_scales(x, scale, block, fmt)
+
+
+def quantize_rows(x: jax.Array, fmt: Fp8Format, axis: int,
+                  power_of_two: bool = False) -> BlockQuantized:
+  """One scale per vector along `axis` (-1: per row, amax over C; -2: per column, over R)."""
+  rows, cols = x.shape[-2:]
+  return quantize_blocks(x, fmt, (1, cols) if axis == -1 else (rows, 1), power_of_two)
+
+
+def mx_shared_exponents(amax: jax.Array, fmt: Fp8Format) -> jax.Array:
+  """E8M0 codes (uint8, `shared_exp + 127`; 255 for NaN) of blocks with absolute max `amax`.
+
+  `shared_exp = clip(floor(log2(amax)) - emax, -127, 127)`. floor(log2(amax)) is
+  read from amax's float32 exponent field; for amax 0 or subnormal the field
+  reads -127, and any value that low clamps to -127 after subtracting emax (>= 8)
+  just as the exact floor(log2(amax)) would.
+  """
+  check_format(fmt, "fmt")
+  amax = jnp.asarray(amax, jnp.float32)
+  bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+  floor_log2 = ((bits & _EXPONENT_BITS) >> 23) - 127
+  shared = jnp.clip(floor_log2 - MX_EMAX[fmt.name], -127, 127)
+  codes = jnp.where(jnp.isfinite(amax), shared + 127, E8M0_NAN)
+  return codes.astype(jnp.uint8)
+
+
+def e8m0_to_float32(codes: jax.Array) -> jax.Array:
+  """The float32 value 2**(code - 127) of E8M0 codes (code 255: NaN; code 0: 2**-127)."""
+  codes = jnp.asarray(codes, jnp.int32)
+  normal = jax.lax.bitcast_convert_type(jnp.left_shift(codes, 23), jnp.float32)
+  smallest = jax.lax.bitcast_convert_type(jnp.int32(0x00400000), jnp.float32)  # 2**-127
+  value = jnp.where(codes == 0, smallest, normal)
+  return jnp.where(codes == E8M0_NAN, jnp.float32(jnp.nan), value)
+
+
+def quantize_mx(x: jax.Array, fmt: Fp8Format, axis: int = -1) -> BlockQuantized:
+  """MXFP8: `x [..., R, C]` in blocks of 32 along `axis` (-1 or -2) with E8M0 scales.
+
+  Returns:
+    `BlockQuantized` with block (1, 32) or (32, 1); `scale_inv` is the shared
+    scale 2**shared_exp as float32 (`mx_shared_exponents` gives the E8M0 codes).
+  """
+  check_floating(x, "x")
+  check_format(fmt, "fmt")
+  block = (1, MX_BLOCK) if axis == -1 else (MX_BLOCK, 1)
+  codes = mx_shared_exponents(block_amax(x, block), fmt)
+  quantized = quantize_with_block_scales(x, _e8m0_reciprocal(codes), block, fmt)
+  # The stored descale is the E8M0 value itself (2**-127 for a block of zeros).
+  return dataclasses.replace(quantized, scale_inv=e8m0_to_float32(codes))
+
+
+def _e8m0_reciprocal(codes: jax.Array) -> jax.Array:
+  """float32 2**(127 - code), built from its exponent bits (NaN for code 255).
+
+  Not `1 / e8m0_to_float32(codes)`: 2**-127 is subnormal, and backends that
+  flush subnormals (XLA on CPU does) would divide by 0. For finite blocks the
+  code is at most 119 + 127 (amax < 2**128), so 2**(127 - code) is a normal float32.
+  """
+  codes = jnp.asarray(codes, jnp.int32)
+  value = jax.lax.bitcast_convert_type(jnp.left_shift(254 - codes, 23), jnp.float32)
+  return jnp.where(codes == E8M0_NAN, jnp.float32(jnp.nan), value)
+
+
+def dequantize_blocks(quantized: BlockQuantized, dtype=jnp.float32) -> jax.Array:
+  """`q * scale_inv_b` per block, formed in float32, returned in `dtype`."""
+  per_element = expand_blocks(quantized.scale_inv, quantized.block, quantized.q.shape)
+  return (quantized.q.astype(jnp.float32) * per_element).astype(dtype)
+
+
+def _check_block(block, x) -> tuple[int, int]:
+  if (not isinstance(block, (tuple, list)) or len(block) != 2
+      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    raise ValueError(f"block={block!r} must be two positive ints (rows, columns) of a block.")
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"x has shape {jnp.shape(x)}; block quantization needs at least 2 dims "
+                     "[..., R, C]. Reshape a vector to [1, C].")
+  return int(block[0]), int(block[1])
