@@ -1,6 +1,7 @@
 """The `fp8jax` command: one module per subcommand.
 
     fp8jax compare                       # the demo: a small GPT in bf16 and FP8 (CPU, minutes)
+    fp8jax sweep --recipes delayed,current --history 1,16 --margin 0,1 --steps 100
     fp8jax train --recipe delayed --size 125m --steps 2000 --out out/125m
     fp8jax train --resume --out out/125m --steps 4000
     fp8jax calibrate out/bf16/checkpoints/step_0000300 --out out/fp8-calibrated
@@ -37,10 +38,10 @@ from __future__ import annotations
 import argparse
 
 from fp8jax import platform_guard as _platform_guard  # noqa: F401  (before any backend use)
-from fp8jax.cli import calibrate, compare, cost, inspect, train
+from fp8jax.cli import calibrate, compare, cost, inspect, sweep, train
 
-SUBCOMMANDS = {"compare": compare, "train": train, "calibrate": calibrate, "inspect": inspect,
-               "cost": cost}
+SUBCOMMANDS = {"compare": compare, "sweep": sweep, "train": train, "calibrate": calibrate,
+               "inspect": inspect, "cost": cost}
 
 
 def main(argv: list[str] | None = None) -> int:

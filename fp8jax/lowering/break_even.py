@@ -1,8 +1,9 @@
 """Where FP8 starts to pay for one dense layer, by the cost model: `break_even_size`.
 
-`predicted_speedup(m, k, n)` compiles one `fp8_dense` layer's forward and
-backward pass and its bf16 twin for an H100 (deviceless by default) and divides
-their predicted times (`fp8jax.lowering.cost`); `break_even_size()` bisects for
+`predicted_speedup(m, k, n, recipe=...)` compiles one `fp8_dense` layer's forward
+and backward pass (delayed scaling unless a recipe is given) and its bf16 twin
+for an H100 (deviceless by default) and divides their predicted times
+(`fp8jax.lowering.cost`); `break_even_size()` bisects for
 the smallest square layer predicted at least as fast in FP8. The default layer
 filter of `fp8jax.flax.layer_filter` takes its threshold from it.
 """
@@ -37,7 +38,7 @@ class BreakEven:
 
 
 def predicted_speedup(m: int, k: int, n: int, constants=None,
-                      target: str = "deviceless") -> float:
+                      target: str = "deviceless", recipe=None) -> float:
   """Predicted bf16 time / FP8 time of one dense layer's forward and backward pass.
 
   The FP8 step is `fp8jax.value_and_grad` over the built-in example's
@@ -50,10 +51,12 @@ def predicted_speedup(m: int, k: int, n: int, constants=None,
     m, k, n: x is bf16 [m, k], the kernel float32 [k, n] (with a bias [n]).
     constants: `fp8jax.lowering.CostConstants` (default: the H100 SXM ones).
     target: as for `fp8jax.lowering.cost`.
+    recipe: the FP8 layer's scaling recipe (default `DelayedScaling()`).
 
   Returns:
     The predicted speedup (> 1: FP8 is faster).
   """
+  recipe = DelayedScaling() if recipe is None else recipe
   def fp8_layer_step(params, fp8_state, y):
     loss = lambda p, s, y: mlp_loss([p["layer"]], s, {"x": p["x"], "y": y})
     return value_and_grad(loss)(params, fp8_state, y)
@@ -66,7 +69,7 @@ def predicted_speedup(m: int, k: int, n: int, constants=None,
   params = {"x": spec((m, k), jnp.bfloat16),
             "layer": {"kernel": spec((k, n), jnp.float32), "bias": spec((n,), jnp.float32)}}
   y = spec((m, n), jnp.bfloat16)
-  fp8_state = jax.eval_shape(lambda: [init_dot_meta(DelayedScaling())])
+  fp8_state = jax.eval_shape(lambda: [init_dot_meta(recipe)])
   fp8 = cost(fp8_layer_step, params, fp8_state, y, target=target, constants=constants)
   bf16 = cost(bf16_layer_step, params, [], y, target=target, constants=constants)
   return compare(fp8, bf16).speedup

@@ -78,6 +78,7 @@ from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_me
                                read_meta, store_dot_meta)
 from fp8jax.fused_attention import attention, choose_backend, fp8_attention, init_attention_meta
 from fp8jax.recipes import Recipe, check_recipe
+from fp8jax.telemetry import TELEMETRY_COLLECTION
 
 ACTIVATION_DTYPE = jnp.bfloat16
 PARAM_DTYPE = jnp.float32
@@ -363,7 +364,9 @@ class Gpt(nn.Module):
                      embedding_init=nn.initializers.normal(c.init_std), name="embed")
     x = embed(tokens)
     block = nn.remat(Block, prevent_cse=False) if c.remat else Block
-    blocks = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0},
+    # Telemetry (`fp8jax.flax.linen_telemetry`) is sown per layer, stacked like the state.
+    blocks = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0,
+                                           TELEMETRY_COLLECTION: 0},
                      split_rngs={"params": True}, length=c.n_layers,
                      unroll=min(c.scan_unroll, c.n_layers))
     x, _ = blocks(c, recipe, name="blocks")(x, None)

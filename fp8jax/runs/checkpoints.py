@@ -89,9 +89,10 @@ def restore(path, config: RunConfig, corpus, continuing: bool):
     raise RunError(f"checkpoint {str(path)!r} was trained on other text than this run's "
                    "corpus (its sha256 differs); pass the same --data.")
   if saved.recipe_object is not None and config.recipe_object is not None and (
-      saved.recipe != config.recipe):
-    raise RunError(f"checkpoint {str(path)!r} holds {saved.recipe} FP8 state and this run is "
-                   f"{config.recipe}; continue with --recipe {saved.recipe} (or --recipe bf16).")
+      saved.recipe_object != config.recipe_object):
+    raise RunError(f"checkpoint {str(path)!r} holds {saved.recipe_object} FP8 state and this "
+                   f"run is {config.recipe_object}; continue with --recipe {saved.recipe} and "
+                   "its options (or --recipe bf16).")
   model, tx, _ = build(config)
   params, opt_state, _ = jax.eval_shape(lambda: init_state(model, tx, config))
   saved_model, saved_tx, _ = build(saved)

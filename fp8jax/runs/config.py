@@ -1,7 +1,9 @@
 """What a demo training run is: its settings, its recipe, and the errors a user can meet.
 
 A run trains the byte-level GPT of `fp8jax.models.gpt` on an embedded corpus
-(`fp8jax.data`) with one recipe: "bf16" (no FP8), "delayed" or "current".
+(`fp8jax.data`) with one recipe: "bf16" (no FP8) or an FP8 recipe of `RECIPES`
+("delayed", "current", "rowwise", "block", "mxfp8"),
+whose fields `recipe_options` may change (e.g. `{"amax_history_len": 1}`).
 Every setting lives in `RunConfig`, which is saved with each checkpoint and in
 the run's `run.json`, so a run can be resumed and compared exactly.
 """
@@ -15,6 +17,9 @@ RECIPES = {
     "bf16": None,
     "delayed": fp8jax.DelayedScaling(amax_history_len=16),
     "current": fp8jax.CurrentScaling(),
+    "rowwise": fp8jax.RowwiseScaling(),
+    "block": fp8jax.BlockScaling(),
+    "mxfp8": fp8jax.MXFP8Scaling(),
 }
 
 
@@ -22,12 +27,43 @@ class RunError(ValueError):
   """A run that cannot start or continue; the message is one line naming the cause and fix."""
 
 
+def recipe_with(name: str, options: dict | None = None):
+  """`RECIPES[name]` with the fields in `options` replaced (None for "bf16").
+
+  Raises:
+    RunError: an unknown recipe, options that are not a dict of the recipe's
+      fields, or values the recipe rejects.
+  """
+  if name not in RECIPES:
+    raise RunError(f"--recipe {name!r} is not one of {sorted(RECIPES)}.")
+  base = RECIPES[name]
+  if not options:
+    return base
+  if not isinstance(options, dict):
+    raise RunError(f"recipe_options={options!r} must be a dict of recipe fields, e.g. "
+                   "{'margin': 1}.")
+  if base is None:
+    raise RunError(f"recipe_options={options!r}: bf16 has no recipe to change; drop them.")
+  fields = [f.name for f in dataclasses.fields(base)]
+  unknown = sorted(set(options) - set(fields))
+  if unknown:
+    raise RunError(f"recipe_options: {type(base).__name__} has no field {unknown[0]!r}; "
+                   f"its fields are {fields}.")
+  try:
+    return dataclasses.replace(base, **options)
+  except (TypeError, ValueError) as error:
+    raise RunError(f"recipe_options={options!r} for {name}: {error}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """The settings of one training run.
 
   Attributes:
-    recipe: "bf16", "delayed" or "current" (see `RECIPES`).
+    recipe: "bf16", "delayed", "current", "rowwise", "block" or "mxfp8" (see `RECIPES`).
+    recipe_options: fields of the recipe that differ from `RECIPES[recipe]`'s, by
+      the recipe dataclass's field names, e.g. {"amax_history_len": 1, "margin": 1};
+      None (or {}) for the recipe as `RECIPES` has it. Not for "bf16".
     size: a model size of `fp8jax.models.gpt.SIZES` ("tiny" on a CPU).
     steps: optimizer steps to train (the last step's number).
     schedule_steps: the length of the learning-rate schedule, fixed when the run
@@ -47,6 +83,7 @@ class RunConfig:
   """
 
   recipe: str = "delayed"
+  recipe_options: dict | None = None
   size: str = "tiny"
   steps: int = 250
   schedule_steps: int | None = None
@@ -65,6 +102,7 @@ class RunConfig:
   def __post_init__(self):
     if self.recipe not in RECIPES:
       raise RunError(f"--recipe {self.recipe!r} is not one of {sorted(RECIPES)}.")
+    self.recipe_object  # builds the recipe: RunError for options it does not take
     from fp8jax.models import gpt  # the model module imports Flax; keep this module light
     if self.size not in gpt.SIZES:
       raise RunError(f"--size {self.size!r} is not one of {list(gpt.SIZES)}.")
@@ -95,8 +133,8 @@ class RunConfig:
 
   @property
   def recipe_object(self):
-    """The fp8jax recipe (None for bf16)."""
-    return RECIPES[self.recipe]
+    """The fp8jax recipe (None for bf16): `RECIPES[recipe]` with `recipe_options` applied."""
+    return recipe_with(self.recipe, self.recipe_options)
 
   def replace(self, **changes) -> "RunConfig":
     return dataclasses.replace(self, **changes)

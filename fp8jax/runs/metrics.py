@@ -4,6 +4,12 @@ A step's line holds `step`, `loss`, `lr`, `grad_norm`, `step_time_s`,
 `tokens_per_s` and, in FP8, `fp8`: per FP8 layer and role the step's `amax` and
 the `scale` for the next step (lists: one entry per layer for layers under
 `nn.scan`). An evaluation adds a line `{"step", "val_loss"}`.
+
+A run with telemetry (`train(..., telemetry_every=N)`) adds at its logging
+steps a line `{"step", "telemetry"}` (`telemetry_records`): per FP8 layer and
+role, lists with one entry per layer of `nn.scan`, of `headroom` (every role)
+and `saturated`, `flushed`, `subnormal`, `snr_db` (the forward operands x and
+kernel of the projections; see `fp8jax.telemetry`).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import jax
 import numpy as np
 
 import fp8jax
+from fp8jax.telemetry import TensorStats
 
 FILE = "metrics.jsonl"
 
@@ -65,6 +72,38 @@ def fp8_records(fp8_state) -> dict:
   for path, meta in jax.device_get(metas):
     records[_path_name(path)] = {"amax": np.ravel(meta.amax_history[..., 0]).tolist(),
                                  "scale": np.ravel(meta.scale).tolist()}
+  return records
+
+
+def telemetry_records(tensor_stats, state_stats: dict) -> dict:
+  """{"<layer path>/<role>": {field: [...]}} of one logging step.
+
+  Args:
+    tensor_stats: the "fp8_telemetry" collection of a forward pass
+      (`fp8jax.runs.steps.telemetry_step`): TensorStats per layer and role.
+    state_stats: `fp8jax.telemetry.state_stats` of the FP8 state (MetaStats per role).
+
+  Returns:
+    Per role, "headroom" from `state_stats` and "saturated", "flushed",
+    "subnormal", "snr_db" from `tensor_stats` where it has the role; the layer
+    path leaves out the variable name "dot_meta", so both name a role alike,
+    e.g. "blocks/mlp/up/x" (a layer called more than once: "...x@1" for its
+    second call). Lists hold one value per layer under `nn.scan`.
+  """
+  records: dict[str, dict] = {}
+  for name, stats in jax.device_get(state_stats).items():
+    name = "/".join(part for part in name.split("/") if part != "dot_meta")
+    records.setdefault(name, {})["headroom"] = np.ravel(stats.headroom).tolist()
+  calls = jax.tree_util.tree_leaves_with_path(
+      jax.device_get(tensor_stats), is_leaf=lambda n: isinstance(n, TensorStats) or (
+          isinstance(n, tuple) and all(isinstance(c, TensorStats) for c in n)))
+  for path, sown in calls:
+    for index, stats in enumerate(sown if isinstance(sown, tuple) and not isinstance(
+        sown, TensorStats) else (sown,)):
+      name = _path_name(path) + (f"@{index}" if index else "")
+      record = records.setdefault(name, {})
+      for field in ("saturated", "flushed", "subnormal", "snr_db"):
+        record[field] = np.ravel(getattr(stats, field)).tolist()
   return records
 
 

@@ -86,3 +86,75 @@ def scale_heatmap(metrics_path, path, title: str = "FP8 scales"):
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return pathlib.Path(path)
+
+
+# Fractions at or below this are drawn as it: zero has no logarithm.
+NUMERICS_FLOOR = 1e-6
+
+
+def numerics_heatmaps(runs: dict, path):
+  """Saturated and underflow (flushed + subnormal) fractions per layer over the steps.
+
+  One row of two heatmaps per run (left: saturated, right: underflow): a row per
+  FP8 layer and role that tensor telemetry measured (x and kernel of each
+  projection; "[i]" is the layer under `nn.scan`), a column per logging step,
+  coloured by log10 of the fraction (at most `NUMERICS_FLOOR` shows as it).
+
+  Args:
+    runs: {label: metrics.jsonl path} of FP8 runs with "telemetry" lines.
+    path: the PNG to write.
+
+  Returns:
+    The path, or None without matplotlib or telemetry.
+  """
+  plt = _pyplot()
+  tables = {label: _numerics_table(metrics_path) for label, metrics_path in runs.items()}
+  tables = {label: table for label, table in tables.items() if table is not None}
+  if plt is None or not tables:
+    return None
+  heights = [0.09 * len(table[1]) + 1.0 for table in tables.values()]
+  fig, axes = plt.subplots(len(tables), 2, figsize=(12, sum(heights) + 0.5), squeeze=False,
+                           sharey="row", gridspec_kw={"height_ratios": heights},
+                           layout="constrained")
+  floor = np.log10(NUMERICS_FLOOR)
+  for row, (label, (steps, names, saturated, underflow)) in zip(axes, tables.items()):
+    for ax, values, what in ((row[0], saturated, "saturated"),
+                             (row[1], underflow, "underflow (flushed + subnormal)")):
+      image = ax.imshow(np.log10(np.maximum(values, NUMERICS_FLOOR)), aspect="auto",
+                        interpolation="nearest", cmap="magma", vmin=floor, vmax=0.0)
+      ax.set_xticks(range(len(steps)))
+      ax.set_xticklabels(steps, fontsize=6)
+      if ax is row[0]:  # the right panel shares the rows
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=5)
+      ax.set_title(f"{label}: {what}", fontsize=8)
+      ax.set_xlabel("step", fontsize=7)
+  fig.colorbar(image, ax=axes, label=f"log10(fraction), floor {NUMERICS_FLOOR:g}",
+               fraction=0.02, pad=0.01, shrink=min(1.0, 6.0 / sum(heights)))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return pathlib.Path(path)
+
+
+def _numerics_table(metrics_path):
+  """(steps, row names, saturated [rows, steps], underflow [rows, steps]) or None."""
+  lines = [line for line in metrics.read(metrics_path) if "telemetry" in line]
+  if not lines:
+    return None
+  names, saturated, underflow = [], [], []
+  for key, record in lines[0]["telemetry"].items():
+    if "saturated" not in record:
+      continue  # a role without tensor stats (the gradients, attention)
+    label = key.removeprefix("blocks/")
+    for i in range(len(record["saturated"])):
+      names.append(label if len(record["saturated"]) == 1 else f"{label} [{i}]")
+      saturated.append([_number(line["telemetry"][key]["saturated"][i]) for line in lines])
+      underflow.append([_number(line["telemetry"][key]["flushed"][i]) +
+                        _number(line["telemetry"][key]["subnormal"][i]) for line in lines])
+  if not names:
+    return None
+  return [line["step"] for line in lines], names, np.array(saturated), np.array(underflow)
+
+
+def _number(value) -> float:
+  return np.nan if value is None else float(value)

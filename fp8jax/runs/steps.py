@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 import fp8jax
-from fp8jax.runs.config import RunConfig
+from fp8jax import telemetry
+from fp8jax.runs.config import RunConfig, RunError
 
 
 def build(config: RunConfig) -> tuple[Any, optax.GradientTransformation, Callable]:
@@ -30,35 +31,58 @@ def compiled_steps(config: RunConfig) -> tuple[Callable, Callable]:
   fp8_state, loss, grad_norm)`, one FP8 (or bf16) step with `fp8jax.value_and_grad`.
   eval_step: `(params, fp8_state, tokens) -> loss`, the FP8 state used, not updated.
   """
-  return _build(*_key(config))[3:]
+  return _build(*_key(config))[3:5]
+
+
+def telemetry_step(config: RunConfig) -> Callable:
+  """The jitted logging step of an FP8 run (shared like `compiled_steps`).
+
+  `(params, fp8_state, tokens) -> tensor_stats`, the "fp8_telemetry" collection
+  of one forward pass under `fp8jax.flax.linen_telemetry.linen_tensor_stats`
+  ({layer path: {"x" | "kernel": (TensorStats,)}}, stacked over the layers of
+  `nn.scan`): how the input and kernel of every FP8 projection quantize with the
+  scales that a train step on the same arguments uses. Nothing is updated: the
+  ordinary steps stay as they are. (The output gradients exist only in the
+  backward pass: `state_stats` has their amax and headroom.)
+  """
+  if config.recipe_object is None:
+    raise RunError(f"telemetry needs an FP8 recipe; {config.recipe!r} has no FP8 state.")
+  return _build(*_key(config))[5]
 
 
 def _key(config: RunConfig) -> tuple:
   # Everything the model, the optimizer and the two steps close over.
-  return (config.recipe, config.size, config.seq, config.lr, config.warmup_steps,
+  return (config.recipe_object, config.size, config.seq, config.lr, config.warmup_steps,
           config.weight_decay, config.schedule_length)
 
 
 @functools.lru_cache(maxsize=8)
 def _build(recipe, size, seq, lr, warmup_steps, weight_decay, schedule_length):
   from fp8jax.models import gpt
-  config = RunConfig(recipe=recipe, size=size, seq=seq)
-  model = gpt.Gpt(gpt.config_for(size, seq_len=seq), recipe=config.recipe_object)
+  model = gpt.Gpt(gpt.config_for(size, seq_len=seq), recipe=recipe)
   warmup = max(warmup_steps, 1)
   schedule = optax.warmup_cosine_decay_schedule(
       lr / warmup, lr, warmup, max(schedule_length, warmup + 1), end_value=lr / 10)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
-  fp8 = config.recipe_object is not None
-  return model, tx, schedule, _train_step(model, tx, fp8), _eval_step(model, fp8)
+  fp8 = recipe is not None
+  return (model, tx, schedule, _train_step(model, tx, fp8), _eval_step(model, fp8),
+          _telemetry_step(model) if fp8 else None)
 
 
 def init_state(model, tx: optax.GradientTransformation, config: RunConfig):
   """(params, opt_state, fp8_state) of a fresh run (fp8_state is {} in bf16)."""
   tokens = jnp.zeros((1, config.seq), jnp.int32)
-  variables = model.init(jax.random.key(config.seed), tokens)
+  variables = _init(model)(jax.random.key(config.seed), tokens)
   params = variables["params"]
   return params, tx.init(params), variables.get("fp8_meta", {})
+
+
+@functools.lru_cache(maxsize=8)
+def _init(model):
+  # Jitted and kept per model: run eagerly, `init` compiles the model's layer scan
+  # again on every call (seconds), once per run of a sweep or comparison.
+  return jax.jit(model.init)
 
 
 def _loss(model, fp8: bool):
@@ -97,3 +121,21 @@ def _eval_step(model, fp8: bool):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
   return eval_step
+
+
+def _telemetry_step(model):
+  from fp8jax.flax.linen_telemetry import linen_tensor_stats
+
+  @jax.jit
+  def telemetry_step(params, fp8_state, tokens):
+    # The interceptor acts while JAX traces, so it must be entered inside the jitted function.
+    with linen_tensor_stats():
+      _, updates = model.apply({"params": params, "fp8_meta": fp8_state}, tokens[:, :-1],
+                               mutable=["fp8_meta", telemetry.TELEMETRY_COLLECTION])
+    return updates[telemetry.TELEMETRY_COLLECTION]
+
+  return telemetry_step
+
+
+# `fp8jax.telemetry.state_stats`, jitted: every role's amax, scale and headroom.
+state_stats = jax.jit(telemetry.state_stats)

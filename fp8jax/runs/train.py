@@ -32,7 +32,7 @@ import numpy as np
 from fp8jax.data import corpus as corpus_lib
 from fp8jax.runs import checkpoints, metrics
 from fp8jax.runs.config import RunConfig, RunError
-from fp8jax.runs.steps import build, compiled_steps, init_state
+from fp8jax.runs.steps import build, compiled_steps, init_state, state_stats, telemetry_step
 
 
 class RunInterrupted(Exception):
@@ -85,7 +85,8 @@ def load_corpus(config: RunConfig) -> corpus_lib.Corpus:
 
 
 def train(config: RunConfig, out_dir, *, resume: bool = False, init_from=None,
-          progress: bool = True, stop_after: int | None = None) -> RunResult:
+          progress: bool | str = True, stop_after: int | None = None,
+          telemetry_every: int | None = None) -> RunResult:
   """Trains (or continues) the run in `out_dir`.
 
   Args:
@@ -97,9 +98,14 @@ def train(config: RunConfig, out_dir, *, resume: bool = False, init_from=None,
     init_from: start a new run from another run's checkpoint (e.g. a bf16 run's,
       to continue in FP8): its params and optimizer state, its FP8 state when it
       has one of this recipe, else fresh FP8 state; counting continues from its step.
-    progress: show a progress bar.
+    progress: show a progress bar (a str: with this label instead of the recipe's name).
     stop_after: stop after this step (and its checkpoint, if one is due) as if
       killed: for tests.
+    telemetry_every: in FP8, every this many steps (and at the first and last
+      step) a separate jitted logging step (`fp8jax.runs.steps.telemetry_step`) measures how
+      the step's operands quantize, and `metrics.jsonl` gets a "telemetry" line
+      (`metrics.telemetry_records`); None: no telemetry. The train step itself
+      is the same either way.
 
   Returns:
     A `RunResult`.
@@ -110,6 +116,10 @@ def train(config: RunConfig, out_dir, *, resume: bool = False, init_from=None,
   """
   out_dir = pathlib.Path(out_dir)
   _check_ready(out_dir, progress, resume, init_from)
+  if telemetry_every is not None and (isinstance(telemetry_every, bool) or not isinstance(
+      telemetry_every, int) or telemetry_every < 1):
+    raise RunError(f"--telemetry-every {telemetry_every!r} must be a positive integer (or "
+                   "None for no telemetry).")
   corpus = load_corpus(config)
   if resume:
     found = checkpoints.complete(out_dir)
@@ -142,7 +152,7 @@ def train(config: RunConfig, out_dir, *, resume: bool = False, init_from=None,
   metrics.rewrite(out_dir / metrics.FILE, history)
   with _stop_on_ctrl_c() as stop_requested:
     result = _loop(config, out_dir, corpus, (params, opt_state, fp8_state), start, history,
-                   progress, stop_after, stop_requested)
+                   progress, stop_after, stop_requested, telemetry_every)
   _write_summary(result, corpus)
   return result
 
@@ -182,12 +192,13 @@ def _stop_on_ctrl_c():
 
 
 def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
-          stop_requested) -> RunResult:
+          stop_requested, telemetry_every) -> RunResult:
   from fp8jax.models import gpt
   params, opt_state, fp8_state = state
   model, _, schedule = build(config)
   train_step, eval_step = compiled_steps(config)
   fp8 = config.recipe_object is not None
+  log_step = telemetry_step(config) if fp8 and telemetry_every else None
   backend = gpt.attention_backend(model.config, config.recipe_object, config.batch, config.seq)
   validation = corpus_lib.validation_batches(corpus.validation, config.batch, config.seq,
                                             config.eval_batches)
@@ -202,6 +213,10 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
       for step in range(start + 1, config.steps + 1):
         batch = jnp.asarray(corpus_lib.train_batch(corpus.train, step, config.batch,
                                                    config.seq, config.seed))
+        logging = log_step is not None and (
+            step % telemetry_every == 0 or step in (start + 1, config.steps))
+        if logging:  # the operands as this step quantizes them: before it runs
+          tensor_stats = log_step(params, fp8_state, batch)
         began = time.perf_counter()
         params, opt_state, fp8_state, loss, grad_norm = train_step(params, opt_state,
                                                                    fp8_state, batch)
@@ -217,6 +232,9 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
         if fp8:
           line["fp8"] = metrics.fp8_records(fp8_state)
         log.write(metrics.dumps(line) + "\n")
+        if logging:  # headroom: this step's amax under the scales it leaves for the next
+          records = metrics.telemetry_records(tensor_stats, state_stats(fp8_state))
+          log.write(metrics.dumps({"step": step, "telemetry": records}) + "\n")
         if step % config.eval_every == 0 or step == config.steps:
           val = float(np.mean([float(eval_step(params, fp8_state, jnp.asarray(b)))
                                for b in validation]))
@@ -244,11 +262,12 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
                    step_time_s=step_time, attention_backend=backend, checkpoint=newest)
 
 
-def _progress(enabled: bool, config: RunConfig, start: int):
+def _progress(enabled: bool | str, config: RunConfig, start: int):
   if not enabled:
     return None
   from tqdm import tqdm
-  return tqdm(total=config.steps, initial=start, desc=f"{config.recipe:>7}", unit="step",
+  label = enabled if isinstance(enabled, str) else f"{config.recipe:>7}"
+  return tqdm(total=config.steps, initial=start, desc=label, unit="step",
               dynamic_ncols=True)
 
 
