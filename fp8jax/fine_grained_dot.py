@@ -131,7 +131,7 @@ def emulated_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.
 
 def pallas_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
   """The block-scaled Mosaic GPU kernel on A [P, C] (1 x 128 tiles) and B [C, Q] (128 x 128)."""
-  from pallas_kernels import block_scaled_matmul as kernel_module
+  import pallas_kernels
   if jax.default_backend() != "gpu":
     raise ValueError(
         "BlockScaling(gemm='pallas_hopper') runs the block-scaled FP8 GEMM kernel, which needs "
@@ -141,13 +141,17 @@ def pallas_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Ar
     raise ValueError(
         f"BlockScaling(gemm='pallas_hopper') runs 2-D GEMMs only; this dot_general has batch "
         f"dims (operand shape {a.q.shape}). Use gemm='emulated' for batched contractions.")
-  if not kernel_module.BLOCK_SCALED_GEMM_VALIDATED_ON_GPU:
+  if not pallas_kernels.BLOCK_SCALED_GEMM_VALIDATED_ON_GPU:
     warnings.warn(
         "BlockScaling(gemm='pallas_hopper'): the block-scaled GEMM kernel has not yet been "
         "validated against its reference on a GPU (pallas_kernels.block_scaled_matmul."
         "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU is False).", stacklevel=2)
-  return kernel_module.block_scaled_matmul(a.q, a.scale_inv, b.q.T, b.scale_inv.T,
-                                           out_dtype=out_dtype)
+  try:
+    return pallas_kernels.block_scaled_matmul(a.q, a.scale_inv, b.q.T, b.scale_inv.T,
+                                              out_dtype=out_dtype)
+  except (ValueError, TypeError) as error:  # shapes or dtypes the kernel does not take
+    raise type(error)(f"BlockScaling(gemm='pallas_hopper'): {error} Or use "
+                      "gemm='emulated', which takes any shape.") from error
 
 
 def fp8_gemm(a: BlockQuantized, b: BlockQuantized, recipe, out_dtype) -> jax.Array:

@@ -9,7 +9,8 @@ Two levels, both pure functions that work under `jax.jit`:
   the state (a few scalar ops per role), so it is cheap enough for every step,
   and it covers every role, the output gradient `grad` included.
 * Tensor level, `tensor_stats(x, meta)`: the quantization of a tensor exactly as
-  the FP8 op does it (the same scale for the recipe, the same saturating cast):
+  the FP8 op does it (the same scale for the recipe, per row or per block for
+  `RowwiseScaling`, `BlockScaling` and `MXFP8Scaling`, the same saturating cast):
   amax, scale, the fractions that saturate, flush to zero or land in subnormals,
   and the quantization SNR. For linen models,
   `fp8jax.flax.linen_telemetry.linen_tensor_stats()` computes
@@ -31,14 +32,19 @@ the tensors you pass, or log `state_stats`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fp8jax.amax import amax as _amax
+from fp8jax.block_quantize import (block_amax, dequantize_blocks, expand_blocks,
+                                   quantize_blocks, quantize_mx, quantize_rows,
+                                   scales_from_amax)
 from fp8jax.meta import DotMeta, Fp8Meta, check_dot_meta, check_fp8_state, check_role_meta, is_meta
 from fp8jax.quantize import dequantize, quantize
+from fp8jax.recipes import MXFP8Scaling, RowwiseScaling, is_fine_grained
 from fp8jax.scaling import scale_for
 from fp8jax.validation import check_floating
 
@@ -90,17 +96,29 @@ class MetaStats(NamedTuple):
   headroom: jax.Array
 
 
-def tensor_stats(x: jax.Array, meta: Fp8Meta) -> TensorStats:
+def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
+                 n_contract: int = 1) -> TensorStats:
   """Quantization statistics of `x` under one role's `meta`, as the FP8 op computes q.
 
-  With `s` the scale that `fp8jax.scaling.quantize_with_meta` uses for this
-  recipe (`scale_for(meta, amax(x))`), `q = fp8(clip(float32(x) * s, ±fmt.max))`
-  rounded to nearest even, and `n = x.size`:
+  With `s` the scale the op uses for each element and `n = x.size`:
 
     saturated = #{|x * s| > fmt.max} / n
     flushed   = #{x != 0 and q == 0} / n
     subnormal = #{q != 0 and |q| < fmt.min_normal} / n
     snr_db    = 10 * log10(sum(x**2) / sum((x - q / s)**2))   over finite x
+
+  where `q = fp8(clip(float32(x) * s, ±fmt.max))` rounded to nearest even. For the
+  per-tensor recipes `s` is `scale_for(meta, amax(x))`, what
+  `fp8jax.scaling.quantize_with_meta` uses. For the per-row / per-block recipes
+  (`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`) it is the forward GEMM's
+  scale of the element's row, column, tile or block along the contraction axis,
+  from `fp8jax.block_quantize` as `fp8jax.fine_grained_dot` computes it, and the
+  reported `scale` is the smallest (the one of the largest block amax).
+
+  A tensor's (or row's, block's) largest element counts as saturated when
+  `fmt.max / amax`, rounded to float32, makes its product exceed fmt.max by an
+  ulp: clipped, though it rounds to fmt.max either way. With one scale per row
+  that is up to one element per row, about 0.5 / K of a [M, K] tensor.
 
   Fractions of an empty tensor are 0. The state is not changed (no amax is
   recorded) and no gradient flows through the result. Inside `shard_map` the
@@ -109,6 +127,10 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta) -> TensorStats:
   Args:
     x: floating array of any shape (bf16, f16 or f32): the tensor the op quantizes.
     meta: the unstacked `Fp8Meta` of x's role, e.g. `dot_meta.x` or `dot_meta.kernel`.
+    operand: "lhs" for a matmul's activation (contracted on its trailing
+      `n_contract` axes), "rhs" for its weight (contracted on its leading ones);
+      only the per-row / per-block recipes depend on it.
+    n_contract: how many axes the matmul contracts.
 
   Returns:
     `TensorStats` of float32 scalars.
@@ -120,12 +142,59 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta) -> TensorStats:
         "role that quantizes x, e.g. dot_meta.x for a matmul's input or dot_meta.kernel "
         "for its weight (fp8jax.telemetry.dot_stats(x, kernel, dot_meta) does both).")
   check_role_meta(meta, "meta")
+  if operand not in ("lhs", "rhs"):
+    raise ValueError(f"operand={operand!r} must be 'lhs' (a matmul's activation) or 'rhs' "
+                     "(its weight).")
   x, meta = jax.lax.stop_gradient((x, meta))  # telemetry only observes
   fmt = meta.fmt
-  x32 = x.astype(jnp.float32)
   x_amax = _amax(x)
-  scale = scale_for(meta, x_amax, like=x)
-  q = quantize(x, scale, fmt)
+  if is_fine_grained(meta.recipe) and x.size:
+    x2 = _as_matrix(x, operand, n_contract)
+    quantized = _fine_grained_quantize(x2, meta.recipe, fmt, operand)
+    block_scale = _block_scales(x2, quantized, meta.recipe, fmt)
+    scale = expand_blocks(block_scale, quantized.block, x2.shape)
+    q, x, dequantized = quantized.q, x2, dequantize_blocks(quantized)
+    reported_scale = jnp.min(block_scale)
+  else:
+    scale = scale_for(meta, x_amax, like=x)
+    q = quantize(x, scale, fmt)
+    dequantized, reported_scale = dequantize(q, scale), scale
+  return _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt)
+
+
+def _as_matrix(x, operand, n_contract):
+  """x folded into the GEMM's 2-D operand: [M, K] for "lhs", [K, N] for "rhs"."""
+  if not isinstance(n_contract, int) or not 1 <= n_contract <= x.ndim:
+    raise ValueError(f"n_contract={n_contract!r} must be an int in [1, {x.ndim}] (x has "
+                     f"{x.ndim} axes).")
+  if operand == "lhs":
+    return x.reshape(-1, math.prod(x.shape[x.ndim - n_contract:]))
+  return x.reshape(math.prod(x.shape[:n_contract]), -1)
+
+
+def _fine_grained_quantize(x2, recipe, fmt, operand):
+  """The forward GEMM's quantization of one operand under a per-row / per-block recipe."""
+  axis = -1 if operand == "lhs" else -2  # the contraction axis of the 2-D operand
+  if isinstance(recipe, MXFP8Scaling):
+    return quantize_mx(x2, fmt, axis=axis)
+  if isinstance(recipe, RowwiseScaling):
+    return quantize_rows(x2, fmt, axis=axis, power_of_two=recipe.power_of_two)
+  size = recipe.block_size
+  block = (1, size) if operand == "lhs" else (size, size)
+  return quantize_blocks(x2, fmt, block, power_of_two=recipe.power_of_two)
+
+
+def _block_scales(x2, quantized, recipe, fmt):
+  """The multipliers the quantizer applied per block (not 1 / scale_inv, which can be
+  an ulp off): `fmt.max / amax` as `fp8jax.block_quantize` forms it; MX's are powers
+  of two, whose reciprocals are exact."""
+  if isinstance(recipe, MXFP8Scaling):
+    return 1.0 / quantized.scale_inv
+  return scales_from_amax(block_amax(x2, quantized.block), fmt, recipe.power_of_two)
+
+
+def _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt) -> TensorStats:
+  x32 = x.astype(jnp.float32)
   q32 = q.astype(jnp.float32)
   n = jnp.float32(max(x.size, 1))
 
@@ -134,7 +203,7 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta) -> TensorStats:
 
   finite = jnp.isfinite(x32)
   signal = jnp.where(finite, x32, 0.0)
-  error = jnp.where(finite, x32 - dequantize(q, scale), 0.0)
+  error = jnp.where(finite, x32 - dequantized.astype(jnp.float32), 0.0)
   # The SNR does not change when x and the error are divided by a common factor;
   # dividing by max |x| keeps the squares inside float32 for any finite x
   # (|x| > 1.8e19 would square to inf).
@@ -145,26 +214,30 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta) -> TensorStats:
   snr_db = jnp.where(noise_power > 0, 10.0 * jnp.log10(signal_power / noise_power), jnp.inf)
   return TensorStats(
       amax=x_amax,
-      scale=jnp.asarray(scale, jnp.float32),
+      scale=jnp.asarray(reported_scale, jnp.float32),
       saturated=fraction(jnp.abs(x32 * scale) > fmt.max),
       flushed=fraction((x32 != 0) & (q32 == 0)),
       subnormal=fraction((q32 != 0) & (jnp.abs(q32) < fmt.min_normal)),
       snr_db=snr_db.astype(jnp.float32))
 
 
-def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta) -> dict[str, TensorStats]:
+def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta,
+              n_contract: int = 1) -> dict[str, TensorStats]:
   """`tensor_stats` of both forward operands of one FP8 matmul.
 
   Args:
     x: the activation passed to `fp8_dot_general` / `fp8_dense` / `fp8_einsum`.
     kernel: the weight passed with it.
     meta: that call's `DotMeta`.
+    n_contract: how many trailing axes of x (leading axes of kernel) are contracted.
 
   Returns:
-    {"x": tensor_stats(x, meta.x), "kernel": tensor_stats(kernel, meta.kernel)}.
+    {"x": tensor_stats(x, meta.x, "lhs", n_contract),
+     "kernel": tensor_stats(kernel, meta.kernel, "rhs", n_contract)}.
   """
   check_dot_meta(meta, "meta")
-  return {"x": tensor_stats(x, meta.x), "kernel": tensor_stats(kernel, meta.kernel)}
+  return {"x": tensor_stats(x, meta.x, "lhs", n_contract),
+          "kernel": tensor_stats(kernel, meta.kernel, "rhs", n_contract)}
 
 
 def state_stats(fp8_state: Any) -> dict[str, MetaStats]:

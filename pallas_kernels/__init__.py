@@ -30,12 +30,14 @@ from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention
                                             fp8_forward_reference)
 from pallas_kernels.flash_attention_fp8_hopper import (
     flash_attention_fp8 as hopper_fp8_attention_forward, transpose_v)
-from pallas_kernels.block_scaled_matmul import (BlockScaledMatmulBlockSizes,
+from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_GPU,
+                                                BlockScaledMatmulBlockSizes,
                                                 block_scaled_matmul,
                                                 block_scaled_matmul_reference)
 
 __all__ = [
-    "BlockScaledMatmulBlockSizes", "block_scaled_matmul", "block_scaled_matmul_reference",
+    "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU", "BlockScaledMatmulBlockSizes", "block_scaled_matmul",
+    "block_scaled_matmul_reference",
     "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "cast_transpose_amax",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",

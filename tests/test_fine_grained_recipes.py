@@ -323,3 +323,28 @@ def test_fp8_attention_under_fine_grained_recipes_scales_each_tensor_from_its_ow
   out_stale, _ = fp8jax.fp8_attention(q, q, q, stale, causal=True, backend="xla")
   np.testing.assert_array_equal(np.asarray(out_fresh, np.float32),
                                 np.asarray(out_stale, np.float32))
+
+
+def test_pallas_hopper_gemm_hands_the_kernel_its_layout(monkeypatch):
+  # On a GPU, BlockScaling(gemm="pallas_hopper") calls the Mosaic GPU kernel with A,
+  # its [M, K/128] descales, B^T [N, K] and [N/128, K/128] descales. The kernel needs a
+  # GPU; its reference has the same signature and semantics, so with the reference in
+  # the kernel's place (and the backend reported as a GPU) the dispatch must give the
+  # emulation's result: the same quantized operands, only the summation order differs
+  # (f32 sums of 256 products: 2 * 256 * 2^-24 relative to sum |a||b|).
+  import pallas_kernels
+  from fp8jax import fine_grained_dot
+  monkeypatch.setattr(pallas_kernels, "block_scaled_matmul", block_scaled_matmul_reference)
+  monkeypatch.setattr(fine_grained_dot.jax, "default_backend", lambda: "gpu")
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+  a = bq.quantize_blocks(x, fp8jax.E4M3, (1, 128))
+  b = bq.quantize_blocks(w, fp8jax.E4M3, (128, 128))
+  recipe = fp8jax.BlockScaling(gemm="pallas_hopper")
+  with pytest.warns(UserWarning, match="not yet been validated"):
+    got = fine_grained_dot.fp8_gemm(a, b, recipe, jnp.float32)
+  want = emulated_block_gemm(a, b, jnp.float32)
+  bound = 2 * 256 * 2.0**-24 * (np.abs(bq.dequantize_blocks(a)) @ np.abs(bq.dequantize_blocks(b)))
+  assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= bound)
+  assert float(jnp.max(jnp.abs(want))) > 1.0  # a real product, not zeros

@@ -388,3 +388,51 @@ def test_bad_arguments_raise_errors_that_name_them():
     telemetry.dot_stats(x, x, meta.x)
   with pytest.raises(TypeError, match=r"fp8_state must be a pytree of fp8jax.Fp8Meta"):
     telemetry.state_stats({"params": {"kernel": x}, "fp8_meta": {"dot_meta": meta}})
+
+
+def _per_block_reference_scale(x2, block, fmt):
+  """float32 `fmt.max / amax` of each block of x2, repeated to every element (numpy)."""
+  rows, cols = x2.shape
+  br, bc = block
+  scale = np.empty_like(x2, dtype=np.float32)
+  for r in range(0, rows, br):
+    for c in range(0, cols, bc):
+      tile = np.abs(x2[r:r + br, c:c + bc])
+      scale[r:r + br, c:c + bc] = np.float32(fmt.max) / np.float32(tile.max())
+  return scale
+
+
+@pytest.mark.parametrize("recipe, operand, block", [
+    (fp8jax.RowwiseScaling(fp8_format="e4m3"), "lhs", (1, 200)),
+    (fp8jax.RowwiseScaling(fp8_format="e4m3"), "rhs", (96, 1)),
+    (fp8jax.BlockScaling(), "lhs", (1, 128)),
+    (fp8jax.BlockScaling(), "rhs", (128, 128)),
+], ids=["rowwise_lhs", "rowwise_rhs", "block_lhs", "block_rhs"])
+def test_per_row_and_per_block_stats_use_each_blocks_own_scale(recipe, operand, block):
+  # Rows of very different magnitudes and a last block that is partial (200 = 128 + 72
+  # columns, 96 rows): each element is scaled by its own row's / tile's / block's
+  # fmt.max / amax, as the recipe's GEMM quantizes it.
+  rng = np.random.default_rng(4)
+  x2 = (rng.standard_normal((96, 200)) * 2.0 ** rng.uniform(-12, 12, (96, 1))).astype(np.float32)
+  fmt = fp8jax.E4M3
+  if block == (96, 1):
+    block = (x2.shape[0], 1)
+  scale = _per_block_reference_scale(x2, block, fmt)
+  q = fp8_reference(x2, scale, fmt)
+  counts = (int(np.sum(np.abs(x2 * scale).astype(np.float64) > fmt.max)),
+            int(np.sum((x2 != 0) & (q == 0))),
+            int(np.sum((q != 0) & (np.abs(q) < fmt.min_normal))))
+  error = x2.astype(np.float64) - q / scale.astype(np.float64)
+  want_snr = 10 * np.log10(np.sum(x2.astype(np.float64) ** 2) / np.sum(error ** 2))
+  meta = fp8jax.init_dot_meta(recipe)
+  role = meta.x if operand == "lhs" else meta.kernel
+  stats = jax.jit(telemetry.tensor_stats, static_argnums=(2, 3))(jnp.asarray(x2), role,
+                                                                 operand, 1)
+  assert_fractions(stats, counts, x2.size)
+  assert float(stats.scale) == float(scale.min())
+  tol_db = 10 / np.log(10) * 2 * (x2.size + 64) * U  # as in the per-tensor test above
+  assert abs(float(stats.snr_db) - want_snr) <= tol_db, (float(stats.snr_db), want_snr)
+  # The per-tensor scale of the same tensor leaves the small rows far less precise.
+  per_tensor = telemetry.tensor_stats(jnp.asarray(x2), fp8jax.init_dot_meta(
+      fp8jax.CurrentScaling(fp8_format="e4m3")).x)
+  assert float(per_tensor.flushed) > float(stats.flushed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
+from fp8jax.einsum import parse_two_operand_subscripts
 from fp8jax.flax import linen as fp8nn
 from fp8jax.telemetry import TELEMETRY_COLLECTION, dot_stats
 
@@ -52,10 +53,24 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
   if isinstance(module, fp8nn.Fp8DotGeneral):
     x = args[0] if len(args) > 0 else kwargs["lhs"]
     kernel = args[1] if len(args) > 1 else kwargs["rhs"]
+    dimension_numbers = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
+    n_contract = len(dimension_numbers[0][0])
   else:
     x = args[0] if args else kwargs["x"]
     kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
     x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
-  for role, stats in dot_stats(x, kernel, meta).items():
+    n_contract = _contracted_axes(module, x, kernel)
+  for role, stats in dot_stats(x, kernel, meta, n_contract).items():
     module.sow(TELEMETRY_COLLECTION, role, stats)
   return out
+
+
+def _contracted_axes(module, x, kernel) -> int:
+  """How many axes the layer's matmul contracts (what per-row / per-block stats fold by)."""
+  if isinstance(module, fp8nn.Fp8DenseGeneral):
+    return len(module.axis) if isinstance(module.axis, (tuple, list)) else 1
+  if isinstance(module, fp8nn.Fp8Einsum):
+    x_labels, k_labels, out_labels = parse_two_operand_subscripts(module.einsum_str, x.ndim,
+                                                                  kernel.ndim)
+    return max(1, sum(1 for label in x_labels if label in k_labels and label not in out_labels))
+  return 1

@@ -18,7 +18,6 @@ every `telemetry_every` steps. Written to `<out>`:
                  "telemetry": {role kind: {"median_headroom", "min_headroom",
                                            "max_saturated", "max_flushed", "max_subnormal",
                                            "max_underflow", "min_snr_db"}},
-                 "telemetry_note": null | why the tensor stats are not the recipe's own,
                  "predicted_speedup", "predicted_speedup_note"}, ...],
        "files": [what was written]}
 
@@ -50,7 +49,6 @@ import json
 import pathlib
 import statistics
 
-from fp8jax.recipes import CurrentScaling, DelayedScaling
 from fp8jax.runs import checkpoints, metrics, plots
 from fp8jax.runs.config import RunConfig, RunError
 from fp8jax.runs.grid import GridPoint, grid_points
@@ -118,7 +116,6 @@ def sweep(grid: dict, base_config: RunConfig, out_dir, *, progress: bool = True,
         "val_loss": result.val_losses[max(result.val_losses)],
         "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s,
         "telemetry": summarize_telemetry(result.out_dir / metrics.FILE),
-        "telemetry_note": _telemetry_note(configs[point.name].recipe_object),
         "predicted_speedup": speedup, "predicted_speedup_note": note})
   config = {k: v for k, v in base_config.to_dict().items() if k not in ("recipe",
                                                                         "recipe_options")}
@@ -193,15 +190,6 @@ def _check_out(out_dir: pathlib.Path, points: list[GridPoint]) -> None:
   if started:
     raise RunError(f"{str(out_dir)!r} already holds a sweep ({started[0]}/ has checkpoints); "
                    "choose another --out.")
-
-
-def _telemetry_note(recipe) -> str | None:
-  """Why a run's tensor-level telemetry is not its recipe's own quantization, or None."""
-  if recipe is None or isinstance(recipe, (DelayedScaling, CurrentScaling)):
-    return None
-  return (f"fp8jax.telemetry.tensor_stats quantizes with one scale per tensor (the meta's), "
-          f"not {type(recipe).__name__}'s own per-row/per-block scales: its saturated, "
-          "flushed, subnormal and SNR values describe per-tensor scaling")
 
 
 def _recipe_fields(config: RunConfig) -> dict:
