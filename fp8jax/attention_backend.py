@@ -31,12 +31,12 @@ BACKENDS = ("pallas", "pallas_hopper_fp8", "cudnn", "xla")
 # The Hopper FP8 kernel's constraints (see pallas_kernels/flash_attention_fp8_hopper.py).
 HOPPER_FP8_HEAD_DIMS = (64, 128)
 HOPPER_FP8_SEQ_MULTIPLE = 128
-# The Hopper FP8 kernel is proved to compile to FP8 wgmma (from its PTX), but on an
-# H100 (jax 0.11.2) tests/test_attention_fp8_ptx.py's
-# test_kernel_matches_reference_on_hopper failed (benchmarks/results/
-# h100_hopper_fp8_attention_check.json). Until it passes, the kernel runs only when
-# asked for (backend="pallas_hopper_fp8"); automatic selection keeps the kernel
-# whose numerics are tested. Set True once that test has passed on hardware.
+# The Hopper FP8 kernel is proved to compile to FP8 wgmma (from its PTX). On an H100
+# (jax 0.11.2) tests/test_attention_fp8_ptx.py's test_kernel_matches_reference_on_hopper
+# failed (benchmarks/results/h100_hopper_fp8_attention_check.json); the CPU interpreter
+# found the cause (the running row max was never updated) and its test passes since the
+# fix. Until the GPU test passes too, the kernel runs only when asked for
+# (backend="pallas_hopper_fp8"). Set True once that test has passed on hardware.
 HOPPER_FP8_KERNEL_VALIDATED_ON_GPU = False
 # What jax.nn.dot_product_attention(implementation="cudnn") accepts.
 CUDNN_DTYPES = ("bfloat16", "float16")

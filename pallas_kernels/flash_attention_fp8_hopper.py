@@ -45,6 +45,7 @@ import jax.numpy as jnp
 # P_SCALE: the fixed scale of the softmax probabilities' E4M3 cast (a power of
 # two below E4M3's max), the same in both attention kernels.
 from pallas_kernels.flash_attention import P_SCALE
+from pallas_kernels.mosaic_target import MosaicTarget, interpret_params
 
 try:  # The Mosaic GPU Pallas backend; absent from some jaxlib builds.
   from jax.experimental import pallas as pl
@@ -145,7 +146,7 @@ def _check_inputs(q, k, v_t, causal: bool, block_sizes: HopperBlockSizes):
 def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row_lse_ref,
                     scoped, *,
                     block_sizes: HopperBlockSizes, causal: bool, head_dim: int, kv_len: int,
-                    q_heads_per_kv_head: int):
+                    q_heads_per_kv_head: int, target: MosaicTarget):
   """Body of one CTA: 2 * block_q query rows of one (batch, head)."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   num_stages = min(block_sizes.num_stages, kv_len // block_kv)
@@ -186,9 +187,9 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row
     out_scale = scales_ref[1]       # descale_v / P_SCALE
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
-    acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = target.layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+    l_i = target.layout(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+    acc = target.layout(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
     @pl.when(kv_steps > 0)
     def _():
@@ -200,17 +201,14 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row
       acc, m_i, l_i = carry
       slot = lax.rem(kv_step, jnp.array(num_stages, kv_step.dtype))
 
-      def qk_dot(s_acc):
-        plgpu.wgmma(s_acc, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        take_turn()
-        return s_acc[...]
-      s = pl.run_scoped(qk_dot, plgpu.ACC((block_q, block_kv), jnp.float32))
+      s = target.mma(None, q_smem, k_smem.at[slot], transpose_b=True,
+                     shape=(block_q, block_kv), while_in_flight=take_turn)
       plgpu.barrier_arrive(k_consumed.at[slot])
 
       s = s * qk_scale_log2
       if masked:
-        q_ids = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-        kv_ids = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        q_ids = target.iota(s.shape, 0)
+        kv_ids = target.iota(s.shape, 1)
         s = jnp.where(q_ids + q_base >= kv_ids + kv_step * block_kv, s, -jnp.inf)
       # Step 0 always holds key 0, which no query row masks, so m_i is finite
       # from the first step on and exp2(m_i - m_new) never sees inf - inf.
@@ -228,17 +226,17 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row
       plgpu.barrier_wait(vt_ready.at[slot])
       plgpu.barrier_wait(turn)
 
-      def pv_dot(o_acc):
-        plgpu.wgmma(o_acc, p_smem, plgpu.transpose_ref(vt_smem.at[slot], (1, 0)))
+      def wait_next_k():
         next_step = kv_step + 1
         next_slot = lax.rem(next_step, jnp.array(num_stages, kv_step.dtype))
 
         @pl.when(next_step < kv_steps)
         def _():
           plgpu.barrier_wait(k_ready.at[next_slot])
-      acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
+      acc = target.mma(acc, p_smem, vt_smem.at[slot], transpose_b=True,
+                       while_in_flight=wait_next_k)
       plgpu.barrier_arrive(vt_consumed.at[slot])
-      return acc, m_i, l_i
+      return acc, m_new, l_i
 
     carry = (acc, m_i, l_i)
     if not causal:
@@ -255,6 +253,10 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row
         # The producer streams the CTA's steps for the longer warpgroup; the
         # shorter one still has to release those slots and keep the turn order.
         slot = lax.rem(kv_step, jnp.array(num_stages, kv_step.dtype))
+        # Waiting for tiles this warpgroup skips costs nothing on the GPU and keeps
+        # every warpgroup's barrier phases in step (the interpreter checks that).
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(vt_ready.at[slot])
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.barrier_arrive(vt_consumed.at[slot])
         take_turn()
@@ -300,9 +302,17 @@ def _forward_kernel(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row
       plgpu.barrier_wait(vt_consumed.at[slot])
       issue(step + num_stages, slot)
 
+    # Observe the last releases too, so no barrier phase is left pending when the
+    # CTA's shared memory goes away.
+    @pl.loop(jnp.maximum(cta_kv_steps - num_stages, 0), cta_kv_steps)
+    def _(step):
+      slot = lax.rem(step, jnp.array(num_stages, step.dtype))
+      plgpu.barrier_wait(k_consumed.at[slot])
+      plgpu.barrier_wait(vt_consumed.at[slot])
 
-@functools.partial(jax.jit, static_argnames=("causal", "block_sizes"))
-def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: HopperBlockSizes):
+
+@functools.partial(jax.jit, static_argnames=("causal", "block_sizes", "interpret"))
+def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: HopperBlockSizes, interpret):
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
@@ -329,7 +339,8 @@ def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: HopperBlockSizes):
   )
   body = functools.partial(
       _forward_kernel, block_sizes=block_sizes, causal=causal, head_dim=head_dim,
-      kv_len=kv_len, q_heads_per_kv_head=num_heads // num_kv_heads)
+      kv_len=kv_len, q_heads_per_kv_head=num_heads // num_kv_heads,
+      target=MosaicTarget(interpret=interpret_params(interpret) is not None))
 
   def entry(q_ref, k_ref, vt_ref, scales_ref, out_ref, row_amax_ref, row_lse_ref):
     pl.run_scoped(
@@ -348,6 +359,7 @@ def _forward(q, k, v_t, scales, *, causal: bool, block_sizes: HopperBlockSizes):
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret_params(interpret),
   )(q, k, v_t, scales)
   # Rounding to bfloat16 is monotonic, so the max of the rounded output is the
   # rounded max of the f32 values the kernel saw.
@@ -359,7 +371,7 @@ def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
                         descale_q: jax.Array, descale_k: jax.Array, descale_v: jax.Array,
                         *, causal: bool = False, sm_scale: float | jax.Array | None = None,
                         block_sizes: HopperBlockSizes = HopperBlockSizes(), return_lse: bool = False,
-                        ) -> tuple[jax.Array, ...]:
+                        interpret=False) -> tuple[jax.Array, ...]:
   """FP8 flash-attention forward on Hopper FP8 tensor cores (Mosaic GPU).
 
   Args:
@@ -374,6 +386,8 @@ def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
     causal: mask keys after each query (needs q_seq == kv_seq).
     sm_scale: softmax scale; defaults to 1 / sqrt(head_dim).
     block_sizes: tile sizes (static).
+    interpret: False compiles for the GPU; True (or interpreter parameters, e.g.
+      with race detection) runs the kernel in Mosaic GPU's CPU interpreter.
 
   Returns:
     (out, out_amax): out bfloat16 [batch, q_seq, heads, head_dim]; out_amax a
@@ -391,7 +405,8 @@ def flash_attention_fp8(q: jax.Array, k: jax.Array, v_t: jax.Array,
   descales = [jnp.asarray(d, jnp.float32).reshape(()) for d in (descale_q, descale_k, descale_v)]
   scales = jnp.stack([descales[0] * descales[1] * jnp.float32(sm_scale) * _LOG2E,
                       descales[2] / P_SCALE])
-  out, out_amax, lse = _forward(q, k, v_t, scales, causal=causal, block_sizes=block_sizes)
+  out, out_amax, lse = _forward(q, k, v_t, scales, causal=causal, block_sizes=block_sizes,
+                                interpret=interpret)
   return (out, out_amax, lse) if return_lse else (out, out_amax)
 
 
