@@ -57,6 +57,8 @@ except ImportError:  # pragma: no cover - depends on the installed jaxlib
   pl = None
   plgpu = None
 
+from pallas_kernels.mosaic_target import interpret_params, swizzle_transforms
+
 _FP8 = jnp.float8_e4m3fn
 _COMPUTE_WGS = 2  # compute warpgroups per CTA; a third one issues the TMA copies
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -107,17 +109,6 @@ class BlockScaledMatmulBlockSizes:
     if self.num_stages < 2:
       raise ValueError(f"num_stages={self.num_stages} must be at least 2 to overlap the "
                        "TMA copies with the wgmma.")
-
-
-def _swizzle_transforms(minor_dim_elems: int, dtype) -> tuple:
-  """Tiling + swizzle for a shared-memory tile whose rows hold `minor_dim_elems` elements."""
-  itemsize = jnp.dtype(dtype).itemsize
-  row_bytes = minor_dim_elems * itemsize
-  swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
-  if swizzle is None:
-    raise ValueError(f"A {minor_dim_elems}-element row of {jnp.dtype(dtype).name} is "
-                     f"{row_bytes} bytes; wgmma tiles need a multiple of 32 bytes.")
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _check_operands(a, a_scale_inv, b_t, b_scale_inv, out_dtype) -> None:
@@ -265,12 +256,12 @@ def _block_scaled_matmul(a, a_scale_inv, b_t, b_scale_inv, *, out_dtype,
 
   scratch = (
       plgpu.SMEM((num_stages, block_m, SCALE_BLOCK), _FP8,
-                 transforms=_swizzle_transforms(SCALE_BLOCK, _FP8)),
+                 transforms=swizzle_transforms(SCALE_BLOCK, _FP8)),
       plgpu.SMEM((num_stages, *b_tile_shape), _FP8,
-                 transforms=_swizzle_transforms(b_tile_shape[1], _FP8)),
+                 transforms=swizzle_transforms(b_tile_shape[1], _FP8)),
       plgpu.SMEM((num_stages, block_m), jnp.float32),
       plgpu.SMEM((_COMPUTE_WGS, block_m // _COMPUTE_WGS, block_n), out_dtype,
-                 transforms=_swizzle_transforms(block_n, out_dtype)),
+                 transforms=swizzle_transforms(block_n, out_dtype)),
   )
   barriers = (
       (plgpu.Barrier(num_barriers=num_stages),) * 3,  # A, B^T, row descales of a slot landed
@@ -284,11 +275,6 @@ def _block_scaled_matmul(a, a_scale_inv, b_t, b_scale_inv, *, out_dtype,
         lambda *scoped: body(a_ref, b_ref, a_scale_ref, b_scale_ref, out_ref, scoped),
         scratch, *barriers, collective_axes="wg")
 
-  kernel_kwargs = {}
-  if interpret is True:
-    kernel_kwargs["interpret"] = _interpret_params()
-  elif interpret:
-    kernel_kwargs["interpret"] = interpret
   return plgpu.kernel(
       entry,
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -297,18 +283,8 @@ def _block_scaled_matmul(a, a_scale_inv, b_t, b_scale_inv, *, out_dtype,
       grid_names=("m_tiles", "n_tiles"),
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
-      **kernel_kwargs,
+      interpret=interpret_params(interpret),
   )(a, b_operand, a_scale_inv.T, b_scale_inv)
-
-
-def _interpret_params():
-  # Private in jax 0.10.2 (not exported from plgpu): Mosaic GPU's CPU interpreter.
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  except ImportError as e:  # pragma: no cover - depends on the installed jax
-    raise NotImplementedError("interpret=True needs Mosaic GPU's CPU interpreter "
-                              "(jax >= 0.10.2); this jax does not have it.") from e
-  return InterpretGPUParams()
 
 
 def block_scaled_matmul(a: jax.Array, a_scale_inv: jax.Array, b_t: jax.Array,
