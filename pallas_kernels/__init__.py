@@ -3,8 +3,10 @@
 * `flash_attention`, `flash_attention_forward`, `flash_attention_backward`:
   the fused FlashAttention-2 kernels (Triton-lowered on GPUs, the Pallas
   interpreter on CPU), bf16/f16 and FP8 E4M3 with descales.
-* `hopper_fp8_attention_forward`: the FP8 forward whose dots are FP8 `wgmma` on
-  Hopper (Mosaic GPU); q, k and V^T as E4M3.
+* `hopper_attention` (bf16/f16, differentiable), `hopper_fp8_attention_forward` and
+  `hopper_fp8_attention_backward`: FlashAttention-3 style kernels on Hopper tensor cores
+  (Mosaic GPU, warp-specialized, TMA-fed `wgmma`, FP8 products in E4M3);
+  `HopperAttentionBlockSizes` their tiles.
 * `cast_transpose_amax`: one pass over a 2-D tensor that writes its FP8 copy, the
   transposed FP8 copy and its amax folded into a running amax (Triton-lowered on GPUs,
   the Pallas interpreter on CPU); `cast_transpose_amax_reference` is its plain-jnp
@@ -28,8 +30,9 @@ from pallas_kernels.scale_update import amax_max, close_steps, close_steps_refer
 from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention,
                                             flash_attention_backward, flash_attention_forward,
                                             fp8_forward_reference)
-from pallas_kernels.flash_attention_fp8_hopper import (
-    flash_attention_fp8 as hopper_fp8_attention_forward, transpose_v)
+from pallas_kernels.hopper_attention import (hopper_attention, hopper_fp8_attention_backward,
+                                             hopper_fp8_attention_forward)
+from pallas_kernels.hopper_attention_tiling import HopperAttentionBlockSizes
 from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_GPU,
                                                 BlockScaledMatmulBlockSizes,
                                                 block_scaled_matmul,
@@ -41,5 +44,6 @@ __all__ = [
     "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "cast_transpose_amax",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
-    "hopper_fp8_attention_forward", "running_amax", "transpose_v",
+    "HopperAttentionBlockSizes", "hopper_attention", "hopper_fp8_attention_backward",
+    "hopper_fp8_attention_forward", "running_amax",
 ]

@@ -5,7 +5,7 @@
 * The Mosaic GPU kernel compiled for sm_90a without a GPU: its PTX has only
   `wgmma ... e4m3.e4m3` tensor-core instructions, ptxas reports no spills, and the
   kernel's dynamic shared memory fits a Hopper block. As in
-  test_attention_fp8_ptx.py, all compiles run in one fresh subprocess with
+  test_hopper_attention_ptx.py, all compiles run in one fresh subprocess with
   Mosaic GPU printing its PTX / ptxas report (and here its MLIR, which holds the
   launch's dynamic shared-memory size) to stdout after a marker line per config.
 * The kernel's logic in Mosaic GPU's CPU interpreter against the reference (B is
@@ -307,25 +307,13 @@ def test_kernel_logic_matches_reference_in_cpu_interpreter(out_dtype, blocks, n,
 # ----- On a real Hopper GPU: the compiled kernel vs the reference -----------------------
 
 
-def _hopper_device():
-  import jax
-  try:
-    devices = jax.devices("gpu")
-  except RuntimeError:
-    return None
-  ok = [d for d in devices if str(getattr(d, "compute_capability", "")).startswith("9")]
-  return ok[0] if ok else None
-
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
-def test_kernel_matches_reference_on_hopper(out_dtype):
+def test_kernel_matches_reference_on_hopper(out_dtype, hopper_device):
   import jax
   import jax.numpy as jnp
   bsm = _kernel_module()
-  device = _hopper_device()
-  if device is None:
-    pytest.skip("needs a Hopper GPU (the CPU interpreter test above covers the kernel's "
-                "logic with B untransposed; this checks the compiled FP8 wgmma path)")
+  device = hopper_device
   m, n, k = 1024, 512, 2048
   operands = jax.device_put(_problem(3, m, n, k), device)
   got = jax.jit(bsm.block_scaled_matmul, static_argnames=("out_dtype",))(

@@ -1,0 +1,209 @@
+"""Flash attention on Hopper tensor cores (Mosaic GPU, FlashAttention-3 style): bf16/f16 and FP8.
+
+* `hopper_attention`: bf16/f16 attention, differentiable (the dQ and dK/dV kernels of
+  `hopper_attention_backward` are its derivative).
+* `hopper_fp8_attention_forward` / `hopper_fp8_attention_backward`: the FP8 pair, E4M3
+  inputs with descales; the backward quantizes dO itself (see `hopper_attention_backward`
+  for every operand's format and why).
+
+Semantics are fp8jax's (fp8jax.fused_attention): GQA (heads a multiple of kv_heads), a
+causal mask aligned bottom-right (query i sees keys j <= i + kv_len - q_len), segment ids
+(a query sees keys of its own id), and a query row that sees no key outputs 0 and gets no
+gradient. Shapes: head_dim 64 or 128, sequence lengths multiples of
+`HopperAttentionBlockSizes().seq_multiple` (128).
+
+Every function takes `interpret`: False compiles for the GPU (also deviceless, from a
+CPU process), True or interpreter parameters run the kernels in Mosaic GPU's CPU
+interpreter (see `mosaic_target`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import hopper_attention_backward, hopper_attention_forward
+from pallas_kernels.hopper_attention_tiling import (E4M3, E4M3_MAX, LOG2E, P_SCALE, SIXTEEN_BIT,
+                                                    HopperAttentionBlockSizes, check_shapes,
+                                                    geometry, safe_lse)
+from pallas_kernels.mosaic_target import plgpu
+
+
+def _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, blocks, dtypes,
+                      v_transposed=False):
+  if plgpu is None:
+    raise ImportError("The Hopper attention kernels need jax.experimental.pallas.mosaic_gpu, "
+                      "which this jax/jaxlib does not provide; install a CUDA jaxlib >= 0.10.2.")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if jnp.dtype(x.dtype) not in dtypes:
+      raise TypeError(f"{name} is {x.dtype}; these kernels take {[d.name for d in dtypes]}.")
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim]; got {x.shape}.")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+  if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+    raise ValueError(f"k {k.shape} must share batch and head_dim with q {q.shape}.")
+  expected_v = (k.shape[0], k.shape[2], k.shape[3], k.shape[1]) if v_transposed else k.shape
+  if v.shape != expected_v:
+    raise ValueError(f"v must have shape {expected_v}; got {v.shape}.")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither.")
+  if q_segment_ids is not None:
+    for name, ids, x in (("q_segment_ids", q_segment_ids, q),
+                         ("kv_segment_ids", kv_segment_ids, k)):
+      if jnp.shape(ids) != x.shape[:2]:
+        raise ValueError(f"{name} must have shape [batch, seq] = {x.shape[:2]}; "
+                         f"got {jnp.shape(ids)}.")
+  geo = geometry(q, k, causal=causal, segmented=q_segment_ids is not None)
+  check_shapes(geo, blocks)
+  return geo
+
+
+def _ids(q_segment_ids, kv_segment_ids):
+  if q_segment_ids is None:
+    return None, None
+  return jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)
+
+
+def _sm_scale(sm_scale, head_dim):
+  return 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+
+def _delta_and_stats(out, do, lse2):
+  """float32 [batch, heads, 2, q_len]: each row's safe lse2 and delta = dO . O."""
+  delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
+  return jnp.stack([safe_lse(lse2), delta], axis=2)
+
+
+def hopper_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                     sm_scale: float | None = None, q_segment_ids: jax.Array | None = None,
+                     kv_segment_ids: jax.Array | None = None,
+                     block_sizes: HopperAttentionBlockSizes = HopperAttentionBlockSizes(),
+                     interpret=False) -> jax.Array:
+  """bf16/f16 flash attention on Hopper `wgmma`, differentiable.
+
+  Args:
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim]; one
+      16-bit dtype.
+    causal: bottom-right aligned causal mask.
+    sm_scale: logit multiplier (default 1/sqrt(head_dim)).
+    q_segment_ids, kv_segment_ids: optional int [batch, seq]; attend within equal ids.
+    block_sizes: tiles (static); interpret: see the module docstring.
+
+  Returns:
+    [batch, q_len, heads, head_dim] in q's dtype.
+  """
+  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes,
+                          SIXTEEN_BIT)
+  q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
+  return _attention(q, k, v, q_ids, kv_ids, geo, block_sizes, _sm_scale(sm_scale, geo.head_dim),
+                    interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret):
+  return _attention_fwd(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret)[0]
+
+
+def _attention_fwd(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret):
+  scales = jnp.array([sm_scale * LOG2E, 1.0], jnp.float32)
+  out, lse2, _ = hopper_attention_forward.forward(q, k, v, scales, q_ids, kv_ids, geo=geo,
+                                                  blocks=blocks, interpret=interpret)
+  return out, (q, k, v, q_ids, kv_ids, out, lse2)
+
+
+def _attention_bwd(geo, blocks, sm_scale, interpret, residuals, g):
+  q, k, v, q_ids, kv_ids, out, lse2 = residuals
+  do = g.astype(q.dtype)
+  scales = jnp.array([sm_scale * LOG2E, 1.0, 1.0, sm_scale, sm_scale], jnp.float32)
+  dq, dk, dv = hopper_attention_backward.backward(
+      q, k, v, do, _delta_and_stats(out, do, lse2), scales, q_ids, kv_ids, geo=geo,
+      blocks=blocks, interpret=interpret)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _descale(x):
+  return jnp.asarray(x, jnp.float32).reshape(())
+
+
+def hopper_fp8_attention_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, descale_q, descale_k, descale_v, *,
+    causal: bool = False, sm_scale: float | None = None,
+    q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+    block_sizes: HopperAttentionBlockSizes = HopperAttentionBlockSizes(),
+    interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """FP8 flash-attention forward: both products are E4M3 `wgmma`.
+
+  Args:
+    q: float8_e4m3fn [batch, q_len, heads, head_dim]; k, v: float8_e4m3fn [batch, kv_len,
+      kv_heads, head_dim] (V is transposed here for the kernel).
+    descale_q, descale_k, descale_v: float32 scalars, x ~= x8 * descale (arrays: new
+      values do not recompile).
+    causal, sm_scale, q_segment_ids, kv_segment_ids, block_sizes, interpret: as for
+      `hopper_attention`.
+
+  Returns:
+    (out, out_amax, lse2): out bfloat16 [batch, q_len, heads, head_dim]; out_amax the
+    float32 max |out| (for the output's delayed scaling); lse2 float32 [batch, heads,
+    q_len], each row's base-2 log-sum-exp (-inf for a row that sees no key), which
+    `hopper_fp8_attention_backward` takes.
+  """
+  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes, (E4M3,))
+  q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
+  sm_scale = _sm_scale(sm_scale, geo.head_dim)
+  scales = jnp.stack([_descale(descale_q) * _descale(descale_k) * (sm_scale * LOG2E),
+                      _descale(descale_v) / P_SCALE])
+  out, lse2, row_amax = hopper_attention_forward.forward(
+      q, k, jnp.transpose(v, (0, 2, 3, 1)), scales, q_ids, kv_ids, geo=geo,
+      blocks=block_sizes, interpret=interpret)
+  return out, jnp.max(row_amax), lse2
+
+
+def quantize_gradient(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(g8, descale): dO in E4M3 with a current scale (its own amax maps to E4M3's max).
+
+  A zero or non-finite amax gives scale 1: the cast then saturates or passes NaN as
+  the data says, and the scale itself stays finite.
+  """
+  g_amax = jnp.max(jnp.abs(g.astype(jnp.float32)))
+  usable = jnp.isfinite(g_amax) & (g_amax > 0)
+  scale = jnp.where(usable, E4M3_MAX / jnp.where(usable, g_amax, 1.0), 1.0)
+  g8 = jnp.clip(g.astype(jnp.float32) * scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+  return g8, 1.0 / scale
+
+
+def hopper_fp8_attention_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse2: jax.Array, g: jax.Array,
+    descale_q, descale_k, descale_v, *, causal: bool = False, sm_scale: float | None = None,
+    q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+    block_sizes: HopperAttentionBlockSizes = HopperAttentionBlockSizes(),
+    interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Gradients of `hopper_fp8_attention_forward` with respect to the dequantized q, k, v.
+
+  Args:
+    q, k, v, descale_*, causal, sm_scale, segment ids, block_sizes, interpret: as given
+      to the forward.
+    out, lse2: the forward's output and base-2 lse.
+    g: the output's cotangent, [batch, q_len, heads, head_dim] (any float dtype); it is
+      quantized to E4M3 with a current scale (`quantize_gradient`).
+
+  Returns:
+    (dq, dk, dv) in bfloat16: the gradients with respect to q8 * descale_q, k8 *
+    descale_k and v8 * descale_v, in q's and k's shapes.
+  """
+  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes, (E4M3,))
+  q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
+  sm_scale = _sm_scale(sm_scale, geo.head_dim)
+  g8, descale_g = quantize_gradient(g)
+  dq_, dk_, dv_ = (_descale(d) for d in (descale_q, descale_k, descale_v))
+  scales = jnp.stack([dq_ * dk_ * (sm_scale * LOG2E), descale_g * dv_, descale_g / P_SCALE,
+                      dk_ * sm_scale, dq_ * sm_scale])
+  # delta from the dequantized dO8: the kernels' dP is built from dO8 too.
+  stats = _delta_and_stats(out, g8.astype(jnp.float32) * descale_g, lse2)
+  return hopper_attention_backward.backward(q, k, v, g8, stats, scales, q_ids, kv_ids, geo=geo,
+                                            blocks=block_sizes, interpret=interpret)

@@ -1,0 +1,249 @@
+"""The Hopper attention kernels (pallas_kernels.hopper_attention) against float64 numpy.
+
+On a CPU the kernels run in Mosaic GPU's interpreter with race detection: the same
+kernel code (pipeline, barriers, slot indexing, masks, epilogues) as on the GPU, with
+tile products done in float32 (see pallas_kernels/mosaic_target.py). On a Hopper GPU
+(`gpu` mark) the compiled kernels are checked at a larger size with the same bounds.
+
+Every bound below is per element: |got - want| <= bound, where `want` is float64
+attention on the kernels' own input values (bf16- or E4M3-rounded, descales applied)
+and `bound` adds up the roundings the kernels do by design, each as a relative error
+times the float64 sum of absolute terms it perturbs (so no cancellation hides an
+error): bf16 rounding is 2**-9 relative (2**-8 used), E4M3's is 2**-4.
+"""
+import numpy as np
+import pytest
+
+E4M3_MAX = 448.0
+BF16 = 2.0**-8   # bf16 rounding (2**-9) with a factor 2 for the f32 sums and approx exp2
+E4M3 = 2.0**-4
+
+
+def _visible(b, q_len, kv_len, causal, q_ids, kv_ids):
+  vis = np.ones((b, 1, q_len, kv_len), bool)
+  if causal:
+    vis &= (np.arange(kv_len)[None] <= np.arange(q_len)[:, None] + kv_len - q_len)[None, None]
+  if q_ids is not None:
+    vis &= np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]
+  return vis
+
+
+def _reference(q, k, v, g, sm, causal, q_ids, kv_ids):
+  """float64 attention, its base-2 lse and gradients, plus the absolute sums bounds need."""
+  b, q_len, heads, _ = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  kr, vr = np.repeat(k, group, 2), np.repeat(v, group, 2)
+  vis = _visible(b, q_len, kv_len, causal, q_ids, kv_ids)
+  s = np.where(vis, np.einsum("bqhd,bkhd->bhqk", q, kr) * sm, -np.inf)
+  m = s.max(-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.exp(s - m)
+  l = e.sum(-1, keepdims=True)
+  p = e / np.where(l == 0, 1.0, l)
+  o = np.einsum("bhqk,bkhd->bqhd", p, vr)
+  lse2 = np.where(l[..., 0] == 0, -np.inf, (m[..., 0] + np.log(np.maximum(l[..., 0], 1e-300)))
+                  / np.log(2.0))
+  dp = np.einsum("bqhd,bkhd->bhqk", g, vr)
+  delta = np.einsum("bqhd,bqhd->bhq", g, o)
+  ds = p * (dp - delta[..., None])
+
+  def per_kv_head(x):  # [b, kv_len, heads, d] -> summed over each kv head's group
+    return x.reshape(b, kv_len, kv_heads, group, -1).sum(3)
+
+  grads = (sm * np.einsum("bhqk,bkhd->bqhd", ds, kr),
+           per_kv_head(sm * np.einsum("bhqk,bqhd->bkhd", ds, q)),
+           per_kv_head(np.einsum("bhqk,bqhd->bkhd", p, g)))
+  weighted_abs_v = np.einsum("bhqk,bkhd->bqhd", p, np.abs(vr))
+  abs_terms = dict(
+      weighted_abs_v=weighted_abs_v, ds_abs=np.abs(ds), p=p,
+      g_abs_o=np.einsum("bqhd,bqhd->bhq", np.abs(g), np.abs(o))[..., None],
+      g_weighted_abs_v=np.einsum("bqhd,bqhd->bhq", np.abs(g), weighted_abs_v)[..., None],
+      abs_k=np.abs(kr), abs_q=np.abs(q), abs_g=np.abs(g))
+  return (o, lse2) + grads, abs_terms, per_kv_head
+
+
+def _bounds(want, terms, per_kv_head, sm, p_rounding):
+  """Per-element bounds for (o, dq, dk, dv); `p_rounding` is P's rounding before P V / P^T dO."""
+  o, dq, dk, dv = want
+  # delta = dO . O uses the kernel's output, off by its own bound (P's rounding in
+  # P V, then bf16); dS is rounded to bf16 for dS K and dS^T Q.
+  delta_err = p_rounding * terms["g_weighted_abs_v"] + BF16 * terms["g_abs_o"]
+  ds_err = BF16 * terms["ds_abs"] + terms["p"] * delta_err
+  return (
+      p_rounding * terms["weighted_abs_v"] + BF16 * np.abs(o) + 1e-6,
+      sm * np.einsum("bhqk,bkhd->bqhd", ds_err, terms["abs_k"]) + BF16 * np.abs(dq) + 1e-6,
+      per_kv_head(sm * np.einsum("bhqk,bqhd->bkhd", ds_err, terms["abs_q"]))
+      + BF16 * np.abs(dk) + 1e-6,
+      per_kv_head(np.einsum("bhqk,bqhd->bkhd", p_rounding * terms["p"], terms["abs_g"]))
+      + BF16 * np.abs(dv) + 1e-6,
+  )
+
+
+def _assert_within(name, got, want, bound):
+  got = np.asarray(got, np.float64)
+  excess = np.abs(got - want) - bound
+  assert np.all(excess <= 0), (
+      f"{name}: max excess {excess.max():.3g} at "
+      f"{np.unravel_index(np.argmax(excess), excess.shape)} (error "
+      f"{np.abs(got - want).max():.3g})")
+
+
+def _segment_ids(rng, batch, length):
+  return np.sort(rng.integers(0, 3, (batch, length)), axis=1).astype(np.int32)
+
+
+def _problem(seed, batch, q_len, kv_len, heads, kv_heads, head_dim, segmented):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(batch, q_len, heads, head_dim)) * 2.0  # peaked rows: tile errors show
+  k = rng.normal(size=(batch, kv_len, kv_heads, head_dim))
+  v = rng.normal(size=(batch, kv_len, kv_heads, head_dim))
+  g = rng.normal(size=(batch, q_len, heads, head_dim))
+  ids = (_segment_ids(rng, batch, q_len), _segment_ids(rng, batch, kv_len)) if segmented else (
+      None, None)
+  return q, k, v, g, ids
+
+
+def _interpreter():
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams(detect_races=True)
+
+
+def _check_no_races():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  assert not gpu_callbacks.get_races().races_found, "the interpreter found a data race"
+
+
+def _run_bf16(shape, causal, segmented, interpret, device=None):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.hopper_attention import hopper_attention
+  q, k, v, g, (q_ids, kv_ids) = _problem(0, *shape, segmented)
+  q, k, v, g = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g))
+  if device is not None:
+    q, k, v, g = jax.device_put((q, k, v, g), device)
+  sm = q.shape[-1] ** -0.5
+
+  def attend(q, k, v):
+    return hopper_attention(q, k, v, causal=causal, q_segment_ids=q_ids,
+                            kv_segment_ids=kv_ids, interpret=interpret)
+  out, vjp = jax.vjp(jax.jit(attend), q, k, v)
+  got = (out,) + vjp(g)
+  f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, g)]
+  want, terms, per_kv_head = _reference(*f64, sm, causal, q_ids, kv_ids)
+  want = (want[0],) + want[2:]
+  # P is rounded to bf16 for P V and P^T dO.
+  for name, a, w, bnd in zip(("out", "dq", "dk", "dv"), got, want,
+                             _bounds(want, terms, per_kv_head, sm, BF16)):
+    _assert_within(name, a, w, bnd)
+
+
+def _exact_gradient(rng, shape):
+  """A cotangent whose current-scaled E4M3 quantization is exact (E4M3 values times 2**-6,
+  amax 448 * 2**-6), so the float64 reference can use it as it is."""
+  import jax.numpy as jnp
+  g = np.clip(rng.normal(size=shape) * 64, -E4M3_MAX, E4M3_MAX)
+  g8 = np.array(jnp.asarray(g, jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
+  g8.flat[0] = E4M3_MAX
+  return g8 * 2.0**-6
+
+
+def _run_fp8(shape, causal, segmented, interpret, device=None):
+  import jax
+  import jax.numpy as jnp
+  import importlib
+  ha = importlib.import_module("pallas_kernels.hopper_attention")
+  q, k, v, _, (q_ids, kv_ids) = _problem(1, *shape, segmented)
+  g = _exact_gradient(np.random.default_rng(2), q.shape)
+  descales = (0.5, 0.25, 2.0)
+  q8, k8, v8 = (jnp.asarray(x / d, jnp.float8_e4m3fn) for x, d in zip((q, k, v), descales))
+  if device is not None:
+    q8, k8, v8 = jax.device_put((q8, k8, v8), device)
+  sm = q.shape[-1] ** -0.5
+  kwargs = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret)
+  out, out_amax, lse2 = jax.jit(lambda *a: ha.hopper_fp8_attention_forward(*a, **kwargs))(
+      q8, k8, v8, *descales)
+  dq, dk, dv = jax.jit(lambda *a: ha.hopper_fp8_attention_backward(*a, **kwargs))(
+      q8, k8, v8, out, lse2, jnp.asarray(g, jnp.float32), *descales)
+  f64 = [np.asarray(x.astype(jnp.float32), np.float64) * d
+         for x, d in zip((q8, k8, v8), descales)] + [g]
+  want, terms, per_kv_head = _reference(*f64, sm, causal, q_ids, kv_ids)
+  want_lse2 = want[1]
+  want = (want[0],) + want[2:]
+  # P is rounded to E4M3 (as P * 256) for P V and P^T dO; everything else as bf16.
+  for name, a, w, bnd in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want,
+                             _bounds(want, terms, per_kv_head, sm, E4M3 + 2.0**-10)):
+    _assert_within(name, a, w, bnd)
+  # The kernel takes the amax before the output's bf16 rounding (2**-9 relative).
+  np.testing.assert_allclose(float(out_amax), float(jnp.max(jnp.abs(out.astype(jnp.float32)))),
+                             rtol=2.0**-8)
+  finite = np.isfinite(want_lse2)
+  assert np.array_equal(np.isfinite(np.asarray(lse2)), finite), "rows that see no key differ"
+  # lse2 is float32 sums of exact (interpreter) or 2**-22-accurate (GPU) exponentials.
+  np.testing.assert_allclose(np.asarray(lse2)[finite], want_lse2[finite], rtol=1e-5, atol=1e-4)
+
+
+# (batch, q_len, kv_len, heads, kv_heads, head_dim), causal, segment ids
+_INTERPRETER_CASES = [
+    # GQA 2:1, causal with kv_len > q_len: warpgroups of a CTA need different key
+    # blocks (the shorter one drains), two-slot rings refilled.
+    ((1, 128, 256, 2, 1, 64), True, False),
+    # Segment ids and causal together at head_dim 128: every tile masked.
+    ((1, 256, 256, 2, 1, 128), True, True),
+]
+_FP8_INTERPRETER_CASES = [
+    # q_len > kv_len, causal: the first query rows see no key (output 0, no gradient).
+    ((1, 256, 128, 2, 1, 64), True, False),
+    # Batch 2, GQA 2:1, segment ids, head_dim 128.
+    ((2, 128, 128, 4, 2, 128), False, True),
+]
+
+
+@pytest.mark.parametrize("shape, causal, segmented", _INTERPRETER_CASES)
+def test_bf16_forward_and_gradients_match_float64_in_cpu_interpreter(shape, causal, segmented):
+  _run_bf16(shape, causal, segmented, _interpreter())
+  _check_no_races()
+
+
+@pytest.mark.parametrize("shape, causal, segmented", _FP8_INTERPRETER_CASES)
+def test_fp8_forward_and_backward_match_float64_in_cpu_interpreter(shape, causal, segmented):
+  _run_fp8(shape, causal, segmented, _interpreter())
+  _check_no_races()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_kernels_match_float64_on_hopper(fp8, causal, hopper_device):
+  shape = (2, 512, 512, 4, 2, 128)
+  (_run_fp8 if fp8 else _run_bf16)(shape, causal, False, False, hopper_device)
+
+
+def test_quantize_gradient_maps_amax_to_e4m3_max_and_rounds_within_e4m3():
+  import jax.numpy as jnp
+  from pallas_kernels.hopper_attention import quantize_gradient
+  g = np.random.default_rng(3).normal(size=(4, 64)) * 1e-3
+  g8, descale = quantize_gradient(jnp.asarray(g, jnp.float32))
+  back = np.asarray(g8.astype(jnp.float32), np.float64) * float(descale)
+  assert np.abs(np.asarray(g8.astype(jnp.float32))).max() == E4M3_MAX
+  # E4M3 rounds to 2**-4 relative; below its normal range (2**-6 * scale) absolutely
+  # to half its subnormal step, 2**-10 * descale.
+  np.testing.assert_array_less(np.abs(back - g), 2**-4 * np.abs(g) + 2**-10 * float(descale))
+  g8, descale = quantize_gradient(jnp.zeros((4, 64)))
+  assert float(descale) == 1.0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(head_dim=96), "head_dim=96"),
+    (dict(q_len=192), "multiple of 128"),
+    (dict(dtype="float32"), "take"),
+])
+def test_rejects_shapes_and_dtypes_the_kernels_do_not_run(change, match):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.hopper_attention import hopper_attention
+  spec = dict(q_len=256, head_dim=64, dtype="bfloat16") | change
+  q = jax.ShapeDtypeStruct((1, spec["q_len"], 2, spec["head_dim"]), jnp.dtype(spec["dtype"]))
+  k = jax.ShapeDtypeStruct((1, 256, 1, spec["head_dim"]), jnp.dtype(spec["dtype"]))
+  with pytest.raises((ValueError, TypeError), match=match):
+    hopper_attention(q, k, k)
