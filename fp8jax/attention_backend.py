@@ -9,15 +9,26 @@ Backends:
   "pallas"            the fused Pallas flash-attention kernels (Triton-lowered on
                       GPUs), bf16 and FP8. On a CPU only when asked for: the
                       Pallas interpreter runs them there, correct but slow.
-  "pallas_hopper_fp8" FP8 forward on Hopper FP8 tensor cores (Mosaic GPU,
-                      wgmma e4m3), with the Pallas backward kernels.
+  "pallas_hopper"     bf16/f16 FlashAttention-3 style kernels on Hopper (Mosaic GPU,
+                      warp-specialized wgmma), forward and backward
+                      (pallas_kernels.hopper_attention).
+  "pallas_hopper_fp8" their FP8 form: E4M3 wgmma forward and backward.
   "cudnn"             `jax.nn.dot_product_attention(implementation="cudnn")`, bf16.
+                      FP8 attention may run here too, on dequantized inputs, when it
+                      is faster than every FP8 kernel (see below).
                       Not for causal attention with q_len != kv_len: jax drives
                       cuDNN's causal mask top-left aligned, fp8jax's is
                       bottom-right (see fp8jax.fused_attention).
   "xla"               plain XLA attention (`jax.nn.dot_product_attention` with
                       implementation="xla"): the reference path, and the
                       automatic choice on a CPU (bf16 and FP8).
+
+On a GPU the automatic choice is the fastest *validated* backend in the measured
+table (`fp8jax.attention_speeds`) that can run the call, ranked by forward plus
+backward time. An FP8 backend is chosen only when it beats the best bf16 one;
+otherwise FP8 attention runs that bf16 backend on dequantized inputs (the FP8 state
+is still recorded) and the warning gives both measurements. Without a measurement
+for the GPU, bf16 goes to cuDNN where it applies and FP8 to the "pallas" kernel.
 """
 from __future__ import annotations
 
@@ -25,19 +36,15 @@ import dataclasses
 import functools
 import warnings
 
+from fp8jax import attention_speeds
 from pallas_kernels import SUPPORTED_HEAD_DIMS as PALLAS_HEAD_DIMS
 
-BACKENDS = ("pallas", "pallas_hopper_fp8", "cudnn", "xla")
-# The Hopper FP8 kernel's constraints (see pallas_kernels/flash_attention_fp8_hopper.py).
-HOPPER_FP8_HEAD_DIMS = (64, 128)
-HOPPER_FP8_SEQ_MULTIPLE = 128
-# The Hopper FP8 kernel is proved to compile to FP8 wgmma (from its PTX). On an H100
-# (jax 0.11.2) tests/test_attention_fp8_ptx.py's test_kernel_matches_reference_on_hopper
-# failed (benchmarks/results/h100_hopper_fp8_attention_check.json); the CPU interpreter
-# found the cause (the running row max was never updated) and its test passes since the
-# fix. Until the GPU test passes too, the kernel runs only when asked for
-# (backend="pallas_hopper_fp8"). Set True once that test has passed on hardware.
-HOPPER_FP8_KERNEL_VALIDATED_ON_GPU = False
+BACKENDS = ("pallas", "pallas_hopper", "pallas_hopper_fp8", "cudnn", "xla")
+# The Hopper kernels' constraints (pallas_kernels/hopper_attention_tiling.py).
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_SEQ_MULTIPLE = 128
+# Backends that run FP8 attention as bf16 attention on dequantized inputs.
+DEQUANTIZING_FP8_BACKENDS = ("pallas_hopper", "cudnn")
 # What jax.nn.dot_product_attention(implementation="cudnn") accepts.
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 256
@@ -56,8 +63,8 @@ class BackendKey:
     mask: "none", "causal", "segments" or "causal+segments".
     recipe_type: the scaling recipe's class name, or None for bf16 attention.
     gqa_ratio: query heads per key/value head.
-    size_class: "aligned" when both sequence lengths are equal multiples of 128
-      (what the Hopper FP8 kernel needs), else "unaligned".
+    size_class: "aligned" when both sequence lengths are multiples of 128 (what the
+      Hopper kernels need), else "unaligned".
     equal_lengths: q_len == kv_len (a causal mask is then the same whether
       aligned top-left or bottom-right).
   """
@@ -87,7 +94,7 @@ def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: 
   """Builds the `BackendKey` for q [b, q_len, heads, d] and k [b, kv_len, kv_heads, d]."""
   mask = "+".join(m for m, on in (("causal", causal), ("segments", has_segments)) if on) or "none"
   q_len, kv_len = q_shape[1], k_shape[1]
-  aligned = q_len == kv_len and q_len % HOPPER_FP8_SEQ_MULTIPLE == 0
+  aligned = q_len % HOPPER_SEQ_MULTIPLE == 0 and kv_len % HOPPER_SEQ_MULTIPLE == 0
   return BackendKey(platform=platform, gpu_arch=gpu_arch, dtype=str(dtype), fp8=fp8,
                     head_dim=int(q_shape[-1]), mask=mask, recipe_type=recipe_type,
                     gqa_ratio=int(q_shape[2] // k_shape[2]),
@@ -95,15 +102,13 @@ def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: 
                     equal_lengths=q_len == kv_len)
 
 
-def _why_not_hopper_fp8(key: BackendKey) -> str | None:
+def _why_not_hopper(key: BackendKey) -> str | None:
   if key.gpu_arch != "sm_90":
     return f"the GPU is {key.gpu_arch}, not Hopper (sm_90)"
-  if key.head_dim not in HOPPER_FP8_HEAD_DIMS:
-    return f"head_dim {key.head_dim} is not one of {HOPPER_FP8_HEAD_DIMS}"
-  if "segments" in key.mask:
-    return "segment ids (padding masks) are not supported by that kernel"
+  if key.head_dim not in HOPPER_HEAD_DIMS:
+    return f"head_dim {key.head_dim} is not one of {HOPPER_HEAD_DIMS}"
   if key.size_class != "aligned":
-    return (f"q and kv lengths must be equal multiples of {HOPPER_FP8_SEQ_MULTIPLE}")
+    return f"q and kv lengths must be multiples of {HOPPER_SEQ_MULTIPLE}"
   return None
 
 
@@ -141,15 +146,17 @@ def _cannot_run(name: str, key: BackendKey) -> str | None:
   if name == "pallas_hopper_fp8":
     if not key.fp8:
       return "it is an FP8 kernel and the inputs are not quantized"
-    return _why_not_hopper_fp8(key)
+    return _why_not_hopper(key)
+  if name == "pallas_hopper":
+    if not key.fp8 and key.dtype not in CUDNN_DTYPES:
+      return f"the bf16 Hopper kernels take {CUDNN_DTYPES}, not {key.dtype}"
+    return _why_not_hopper(key)
   if name == "cudnn":
     if key.platform != "gpu":
       return f"cuDNN needs a GPU, the platform is {key.platform}"
-    if key.fp8:
-      return "fp8jax runs FP8 attention in its own kernels, not cuDNN"
     if "segments" in key.mask:
       return "segment ids are not expressible as cuDNN sequence lengths"
-    if key.dtype not in CUDNN_DTYPES:
+    if key.dtype not in CUDNN_DTYPES and not key.fp8:  # FP8 runs dequantized to bf16
       return f"cuDNN attention takes {CUDNN_DTYPES}, not {key.dtype}"
     if key.head_dim % 8 or key.head_dim > CUDNN_MAX_HEAD_DIM:
       return (f"cuDNN attention needs head_dim a multiple of 8 and at most "
@@ -178,16 +185,45 @@ def _choose(key: BackendKey) -> BackendChoice:
     return BackendChoice("xla", f"{reason}, and cuDNN cannot run it ({why_not_cudnn})")
   if key.platform != "gpu":
     return BackendChoice("xla", f"no fused kernel for the {key.platform} platform")
-  if key.fp8:
-    why_not = _why_not_hopper_fp8(key)
-    if why_not is None and HOPPER_FP8_KERNEL_VALIDATED_ON_GPU:
-      return BackendChoice("pallas_hopper_fp8")
-    if why_not is None:
-      return BackendChoice(
-          "pallas", "the Hopper FP8 tensor-core kernel has not been validated on a GPU yet "
-          "(ask for it with backend='pallas_hopper_fp8'); the Triton-lowered kernel's FP8 "
-          "dots run as f16 mma.sync, slower than bf16")
-    return BackendChoice(
-        "pallas", f"the Hopper FP8 tensor-core kernel does not apply ({why_not}); the "
-        "Triton-lowered kernel's FP8 dots run as f16 mma.sync, slower than bf16")
-  return BackendChoice("pallas")
+  return _choose_by_measurement(key)
+
+
+def _fastest(key: BackendKey, precision: str):
+  """(backend, entry) of the fastest validated measured backend that runs `key`, or None."""
+  entries = attention_speeds.measured(key.gpu_arch, key.mask, precision)
+  runnable = [(attention_speeds.seconds_per_forward_flop(entry), name, entry)
+              for name, entry in entries.items()
+              if entry["validated"] and _cannot_run(name, key) is None
+              and (precision == "fp8" or not key.fp8 or name in DEQUANTIZING_FP8_BACKENDS)]
+  return min(runnable)[1:] if runnable else None
+
+
+def _describe(name: str, entry: dict) -> str:
+  return (f"{name!r}: {entry['forward_tflops']:.0f} TFLOP/s forward, "
+          f"{entry['backward_tflops']:.0f} backward")
+
+
+def _choose_by_measurement(key: BackendKey) -> BackendChoice:
+  best_bf16 = _fastest(key, "bf16")
+  if not key.fp8:
+    if best_bf16 is not None:
+      return BackendChoice(best_bf16[0])
+    return BackendChoice("cudnn" if _cannot_run("cudnn", key) is None else "pallas")
+  best_fp8 = _fastest(key, "fp8")
+  if best_fp8 is not None and (best_bf16 is None or (
+      attention_speeds.seconds_per_forward_flop(best_fp8[1])
+      < attention_speeds.seconds_per_forward_flop(best_bf16[1]))):
+    return BackendChoice(best_fp8[0])
+  if best_bf16 is not None:
+    if best_fp8 is None:
+      why = (f"no FP8 attention kernel is validated and measured on {key.gpu_arch} for "
+             f"this call")
+    else:
+      why = (f"the fastest validated FP8 attention, {_describe(*best_fp8)}, is slower than "
+             f"bf16 {_describe(*best_bf16)}")
+    return BackendChoice(best_bf16[0], f"{why}; FP8 inputs run dequantized through "
+                         f"{best_bf16[0]!r} (FP8 state still recorded; measurements: "
+                         f"{attention_speeds.SOURCE})")
+  return BackendChoice(
+      "pallas", f"no validated attention measurement for {key.gpu_arch}; the "
+      "Triton-lowered FP8 kernel's dots run as f16 mma.sync, slower than bf16")

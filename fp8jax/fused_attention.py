@@ -41,7 +41,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.attention_backend import BackendChoice, make_key, select_backend
+from fp8jax.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, make_key,
+                                      select_backend)
 from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
 from fp8jax.amax import amax
@@ -150,7 +151,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     causal: query i attends to keys j <= i + kv_len - q_len (bottom-right aligned).
     q_segment_ids, kv_segment_ids: optional int [batch, seq]; attend within equal ids.
     sm_scale: logit multiplier (default 1/sqrt(head_dim)).
-    backend: force "pallas", "cudnn" or "xla"; None chooses.
+    backend: force "pallas", "pallas_hopper", "cudnn" or "xla"; None chooses.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -158,15 +159,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   _check_qkv(q, k, v, q_segment_ids, kv_segment_ids)
   choice = choose_backend(q, k, fp8=False, causal=causal,
                           has_segments=q_segment_ids is not None, backend=backend)
-  if choice.name == "pallas":
-    with reverse_mode_only("fp8jax.attention with backend 'pallas'",
+  if choice.name in ("pallas", "pallas_hopper"):
+    with reverse_mode_only(f"fp8jax.attention with backend {choice.name!r}",
                            "fp8jax.attention with backend='xla'",
                            why="its derivative is the fused kernel's own backward pass"):
-      return pallas_kernels.flash_attention(
-          q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-          causal=causal, sm_scale=sm_scale)
+      return _bf16_attention(choice.name, q, k, v, causal, q_segment_ids, kv_segment_ids,
+                             sm_scale)
+  return _bf16_attention(choice.name, q, k, v, causal, q_segment_ids, kv_segment_ids,
+                         sm_scale).astype(q.dtype)
+
+
+def _bf16_attention(backend, q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale):
+  """16-bit attention on one backend ("pallas", "pallas_hopper", "cudnn" or "xla")."""
+  if backend == "pallas":
+    return pallas_kernels.flash_attention(
+        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        causal=causal, sm_scale=sm_scale)
+  if backend == "pallas_hopper":
+    return pallas_kernels.hopper_attention(
+        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        causal=causal, sm_scale=sm_scale)
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
-                             implementation=choice.name).astype(q.dtype)
+                             implementation=backend)
 
 
 def _visible_keys(q_len, kv_len, causal, q_segment_ids, kv_segment_ids):
@@ -212,8 +226,10 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
     meta: this attention's `AttentionMeta` (from `init_attention_meta(recipe)`).
     causal, q_segment_ids, kv_segment_ids, sm_scale: as for `attention` (bottom-right
       causal; a query row that sees no key outputs 0 and gets no gradient).
-    backend: force "pallas", "pallas_hopper_fp8" or "xla"; None chooses. "xla" does
-      the "pallas" kernel's arithmetic, E4M3 rounding of P included.
+    backend: force "pallas", "pallas_hopper_fp8", "pallas_hopper", "cudnn" or "xla";
+      None chooses. "xla" does the "pallas" kernel's arithmetic, E4M3 rounding of P
+      included; "pallas_hopper" and "cudnn" run bf16 attention on the dequantized
+      inputs.
 
   Returns:
     (out, new_meta): out [batch, q_len, heads, head_dim] in q's dtype (bf16
@@ -244,7 +260,13 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
   k8, scale_k, meta_k = quantize_with_meta(k, meta.k)
   v8, scale_v, meta_v = quantize_with_meta(v, meta.v)
   descales = (1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v)
-  if call.backend == "xla":
+  if call.backend in DEQUANTIZING_FP8_BACKENDS:
+    # A bf16 backend measured faster than every FP8 kernel: FP8 rounding of the
+    # inputs (and their amaxes) as always, bf16 attention on the dequantized values.
+    out = _bf16_attention(call.backend, *_dequantized((q8, k8, v8), descales, jnp.bfloat16),
+                          call.causal, q_seg, kv_seg, call.sm_scale)
+    out_amax, lse = amax(out), None
+  elif call.backend == "xla":
     # The FP8 kernel's arithmetic in plain jnp; it lives beside the kernel because it
     # follows the kernel's tiling.
     result = pallas_kernels.fp8_forward_reference(
@@ -263,15 +285,19 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
 
 def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
   if backend == "pallas_hopper_fp8":
-    out, out_amax, lse = pallas_kernels.hopper_fp8_attention_forward(
-        q8, k8, pallas_kernels.transpose_v(v8), *descales, causal=call.causal,
-        sm_scale=call.sm_scale, return_lse=True)
-    return out, out_amax, lse
+    # lse is base 2 here: hopper_fp8_attention_backward takes it as it is.
+    return pallas_kernels.hopper_fp8_attention_forward(
+        q8, k8, v8, *descales, causal=call.causal, sm_scale=call.sm_scale,
+        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   result = pallas_kernels.flash_attention_forward(
       q8, k8, v8, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
       q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
       interpret=call.interpret)
   return result.out, result.out_amax, result.lse
+
+
+def _dequantized(tensors8, descales, dtype):
+  return [(x8.astype(jnp.float32) * d).astype(dtype) for x8, d in zip(tensors8, descales)]
 
 
 def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
@@ -282,11 +308,16 @@ def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
 def _fp8_attention_bwd(call, residuals, cotangents):
   q8, k8, v8, descales, out, lse, q_seg, kv_seg = residuals
   g, meta_cotangent = cotangents
-  if call.backend == "xla":
-    dequantized = [(x8.astype(jnp.float32) * d) for x8, d in zip((q8, k8, v8), descales)]
-    _, vjp = jax.vjp(lambda q, k, v: _xla_like_attention(
-        q, k, v, call.causal, q_seg, kv_seg, call.sm_scale, "xla"), *dequantized)
-    dq, dk, dv = vjp(g.astype(jnp.float32))
+  if call.backend in ("xla",) + DEQUANTIZING_FP8_BACKENDS:
+    dtype = jnp.float32 if call.backend == "xla" else jnp.bfloat16
+    _, vjp = jax.vjp(lambda q, k, v: _bf16_attention(
+        call.backend, q, k, v, call.causal, q_seg, kv_seg, call.sm_scale),
+        *_dequantized((q8, k8, v8), descales, dtype))
+    dq, dk, dv = vjp(g.astype(dtype))
+  elif call.backend == "pallas_hopper_fp8":
+    dq, dk, dv = pallas_kernels.hopper_fp8_attention_backward(
+        q8, k8, v8, out, lse, g, *descales, causal=call.causal, sm_scale=call.sm_scale,
+        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   else:
     dq, dk, dv = pallas_kernels.flash_attention_backward(
         q8, k8, v8, out, lse, g.astype(out.dtype), descale_q=descales[0],
