@@ -30,14 +30,30 @@ def test_dense_benchmark_smoke_writes_json(tmp_path):
       assert row[name]["median_s"] > 0 and row[name]["tflops"] > 0
 
 
-def test_attention_benchmark_smoke_records_each_implementation(tmp_path):
-  from benchmarks import attention
-  out = tmp_path / "attention.json"
-  attention.main(["--smoke", "--only", "pallas_bf16", "xla", "hopper_fp8", "--out", str(out)])
-  rows = json.loads(out.read_text())["results"]["implementations"]
-  for name in ("pallas_bf16", "xla"):
-    assert rows[name]["forward"]["tflops"] > 0 and rows[name]["backward_s"] > 0
-  # Where the Hopper kernel cannot run (any machine but a Hopper GPU) the report
-  # says why instead of giving a number; on a Hopper GPU it runs.
-  hopper = rows["hopper_fp8"]
-  assert ("forward" in hopper and hopper["forward"]["tflops"] > 0) or "Hopper" in hopper["skipped"]
+def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
+  """`python -m benchmarks.gpu_check --smoke`: the one-call GPU check on CPU, tiny shapes."""
+  from benchmarks import gpu_check
+  code = gpu_check.main(["--smoke", "--out", str(tmp_path)])
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert code == 0, summary["failed"]
+  assert {name: s["status"] for name, s in summary["sections"].items()} == {
+      name: "ok" for name in ("tests", "dense", "attention", "gpt", "demo")}
+  for name in ("gpu_tests", "dense", "attention", "gpt", "demo_compare", "attention_speeds"):
+    assert (tmp_path / f"{name}.json").exists(), name
+  # On a CPU every GPU test is collected and skipped (none may fail or error).
+  tests = json.loads((tmp_path / "gpu_tests.json").read_text())
+  assert tests["skipped"] > 0 and tests["failed"] == 0 and tests["passed"] == 0
+  # Each attention row has numbers and numerics, or says why it cannot run here.
+  for result in json.loads((tmp_path / "attention.json").read_text())["results"]:
+    rows = result["implementations"]
+    assert rows["bf16/xla"]["numerics_ok"] and rows["fp8/xla"]["numerics_ok"], rows
+    assert "GPU" in rows["bf16/cudnn"]["skipped"]
+    assert "Hopper" in rows["fp8/pallas_hopper_fp8"]["skipped"] or "GPU" in (
+        rows["fp8/pallas_hopper_fp8"]["skipped"])
+  # Unvalidated (no GPU test ran): the Hopper kernels never enter the selection table.
+  table = json.loads((tmp_path / "attention_speeds.json").read_text())
+  assert all(not entry["validated"] for masks in table.values() for by_precision in masks.values()
+             for rows in by_precision.values() for name, entry in rows.items()
+             if name.startswith("pallas_hopper"))
+  gpt = json.loads((tmp_path / "gpt.json").read_text())["results"]
+  assert all(row["tokens_per_s"] > 0 for row in gpt["rows"])

@@ -66,7 +66,7 @@ def _build(recipe, size, seq, lr, warmup_steps, weight_decay, schedule_length):
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
   fp8 = recipe is not None
-  return (model, tx, schedule, _train_step(model, tx, fp8), _eval_step(model, fp8),
+  return (model, tx, schedule, train_step_for(model, tx, fp8), _eval_step(model, fp8),
           _telemetry_step(model) if fp8 else None)
 
 
@@ -100,7 +100,12 @@ def _loss(model, fp8: bool):
   return loss_fn
 
 
-def _train_step(model, tx, fp8: bool):
+def train_step_for(model, tx: optax.GradientTransformation, fp8: bool) -> Callable:
+  """The demo's jitted train step for `model` (an `fp8jax.models.gpt.Gpt`) and optimizer `tx`.
+
+  `(params, opt_state, fp8_state, tokens [B, S + 1]) -> (params, opt_state, fp8_state,
+  loss, grad_norm)`; `fp8` says whether the model keeps FP8 state.
+  """
   loss_fn = _loss(model, fp8)
 
   @jax.jit

@@ -1,0 +1,204 @@
+"""The GPU check: everything that needs a Hopper GPU, in one command, in under 8 minutes.
+
+    PYTHONPATH=. python -m benchmarks.gpu_check --out benchmarks/results/h100_gpu_check
+    python -m benchmarks.gpu_check --smoke --out /tmp/gpu_check    # CPU: same code, tiny shapes
+
+Sections, in this order (each writes one JSON into --out; summary.json lists them all):
+  tests      every test marked `gpu` (pytest -m gpu tests/): the Hopper kernels against
+             float64 references, per test passed / failed / skipped -> gpu_tests.json
+  dense      benchmarks.dense: fp8_dense forward+backward vs bf16 -> dense.json
+  attention  benchmarks.attention: every backend, bf16 and FP8, causal and not, speed and
+             numerics -> attention.json; and the backend table fp8jax selects from,
+             derived from it and the tests -> attention_speeds.json
+  gpt        benchmarks.gpt: the demo GPT's train step, bf16 vs FP8, tokens/s -> gpt.json
+  demo       `fp8jax compare` at a GPU size for a few steps (its table names each run's
+             attention backend) -> demo_compare.json
+
+A section that fails is recorded with its error and the check goes on; the exit status is
+1 if any section failed or any GPU test failed. The tests run first, in a subprocess,
+before this process initializes the GPU (each process takes most of its memory). With
+--smoke everything runs on the CPU at toy sizes (the GPU tests then skip): the test suite
+runs it, so the check cannot rot between GPU sessions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECTIONS = ("tests", "dense", "attention", "gpt", "demo")
+
+
+def run_gpu_tests(out: pathlib.Path, smoke: bool) -> dict:
+  """pytest -m gpu in a subprocess; the per-test outcomes from its JUnit XML."""
+  junit = out / "gpu_tests.xml"
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+  # tests/conftest.py defaults JAX_PLATFORMS to cpu; on a GPU the tests must see it.
+  env["JAX_PLATFORMS"] = "cpu" if smoke else ""
+  command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+             f"--junitxml={junit}", str(REPO_ROOT / "tests")]
+  proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+  tests = _junit_outcomes(junit) if junit.exists() else []
+  junit.unlink(missing_ok=True)
+  counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
+  return {"command": " ".join(command[1:]), "returncode": proc.returncode, **counts,
+          "tests": tests, "output_tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
+
+
+def _junit_outcomes(path: pathlib.Path) -> list[dict]:
+  outcomes = []
+  for case in ElementTree.parse(path).getroot().iter("testcase"):
+    name = f"{case.get('classname')}::{case.get('name')}"
+    failure = case.find("failure")
+    if failure is None:
+      failure = case.find("error")
+    skipped = case.find("skipped")
+    if failure is not None:
+      outcome = {"outcome": "failed", "message": (failure.get("message") or "")[:1000]}
+    elif skipped is not None:
+      outcome = {"outcome": "skipped", "message": (skipped.get("message") or "")[:300]}
+    else:
+      outcome = {"outcome": "passed"}
+    outcomes.append({"test": name, "seconds": float(case.get("time") or 0.0), **outcome})
+  return outcomes
+
+
+def run_dense(smoke: bool) -> dict:
+  from benchmarks import dense
+  return dense.main(["--smoke"] if smoke else ["--repeats", "30"])
+
+
+def run_attention(smoke: bool) -> dict:
+  from benchmarks import attention
+  return attention.main(["--smoke"] if smoke else ["--repeats", "10"])
+
+
+def run_gpt(smoke: bool, seconds_left: float) -> dict:
+  from benchmarks import gpt
+  if smoke:
+    return gpt.main(["--smoke"])
+  # The 1b model compiles and runs its steps in about two minutes; with less time left,
+  # the largest size that fits.
+  size, batch = ("1b", 8) if seconds_left > 200 else ("350m", 8)
+  # "auto" is what the demo runs; the Hopper kernels are forced too, to be measured in
+  # the model before the selection table has them (rows that cannot run say why).
+  return gpt.main(["--size", size, "--batch", str(batch), "--recipes", "bf16,delayed",
+                   "--backends", "auto,pallas_hopper,pallas_hopper_fp8", "--repeats", "3"])
+
+
+def run_demo(smoke: bool) -> dict:
+  """`fp8jax compare` in this process (a second process would find the GPU's memory taken)."""
+  from fp8jax.cli import main as cli
+  with tempfile.TemporaryDirectory() as scratch:
+    args = (["--size", "tiny", "--steps", "2", "--batch", "2", "--seq", "32"] if smoke else
+            ["--size", "125m", "--steps", "30", "--batch", "8", "--seq", "1024"])
+    code = cli(["compare", *args, "--recipes", "bf16,delayed", "--eval-every", "1000",
+                "--checkpoint-every", "1000", "--out", scratch])
+    result = json.loads((pathlib.Path(scratch) / "compare.json").read_text())
+  return {"exit_code": code, **result}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, help="directory for the JSON files")
+  parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes (for the tests)")
+  parser.add_argument("--sections", default=",".join(SECTIONS),
+                      help=f"comma-separated subset of {','.join(SECTIONS)}")
+  parser.add_argument("--budget-s", type=float, default=450.0,
+                      help="time the check plans for (it picks the GPT size to fit)")
+  args = parser.parse_args(argv)
+  sections = args.sections.split(",")
+  unknown = sorted(set(sections) - set(SECTIONS))
+  if unknown:
+    parser.error(f"--sections: unknown {unknown}; choose from {','.join(SECTIONS)}")
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  start = time.perf_counter()
+  summary = {"command": " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])]),
+             "smoke": args.smoke, "sections": {}}
+
+  def section(name, fn):
+    if name not in sections:
+      return None
+    began = time.perf_counter()
+    print(f"=== {name} ===", flush=True)
+    try:
+      result = fn()
+      status = "ok"
+    except Exception as error:  # noqa: BLE001 - record it and go on with the other sections
+      result, status = None, f"error: {type(error).__name__}: {str(error)[:500]}"
+      traceback.print_exc()
+    summary["sections"][name] = {"status": status,
+                                 "seconds": round(time.perf_counter() - began, 1)}
+    if result is not None:
+      file = out / ("gpu_tests.json" if name == "tests" else
+                    "demo_compare.json" if name == "demo" else f"{name}.json")
+      file.write_text(json.dumps(result, indent=1))
+      summary["sections"][name]["file"] = file.name
+    return result
+
+  tests = section("tests", lambda: run_gpu_tests(out, args.smoke))
+  # Only now may this process touch the GPU.
+  from benchmarks.timing import environment
+  summary.update(environment())
+  summary["command"] = " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])])
+  dense = section("dense", lambda: run_dense(args.smoke))
+  attention = section("attention", lambda: run_attention(args.smoke))
+  if attention is not None:
+    from fp8jax import attention_speeds
+    table = attention_speeds.table_from_results(attention, tests)
+    (out / "attention_speeds.json").write_text(json.dumps(table, indent=1))
+  gpt = section("gpt", lambda: run_gpt(args.smoke, args.budget_s - (time.perf_counter() - start)))
+  demo = section("demo", lambda: run_demo(args.smoke))
+
+  summary["seconds"] = round(time.perf_counter() - start, 1)
+  summary["highlights"] = _highlights(tests, dense, attention, gpt, demo)
+  failed = [n for n, s in summary["sections"].items() if s["status"] != "ok"]
+  if tests is not None and tests["failed"]:
+    failed.append("tests: " + ", ".join(t["test"] for t in tests["tests"]
+                                        if t["outcome"] == "failed"))
+  summary["failed"] = failed
+  (out / "summary.json").write_text(json.dumps(summary, indent=1))
+  print(json.dumps(summary["highlights"], indent=1))
+  print(f"gpu_check: {len(failed)} failure(s) in {summary['seconds']} s; wrote {out}")
+  return 1 if failed else 0
+
+
+def _highlights(tests, dense, attention, gpt, demo) -> dict:
+  """The numbers a reader looks for first, gathered from the sections' results."""
+  found = {}
+  if tests is not None:
+    found["gpu_tests"] = {k: tests[k] for k in ("passed", "failed", "skipped")}
+  if dense is not None:
+    found["dense_fp8_speedup"] = {
+        row["M"]: round(row["fp8_delayed_speedup_vs_bf16"], 3) for row in dense["results"]}
+  if attention is not None:
+    for result in attention["results"]:
+      mask = "causal" if result["causal"] else "none"
+      found[f"attention_{mask}"] = {
+          name: {"fwd_tflops": round(row["forward"]["tflops"], 1),
+                 "bwd_tflops": round(row["backward_tflops"], 1), "ok": row["numerics_ok"]}
+          for name, row in result["implementations"].items() if "forward" in row}
+  if gpt is not None:
+    found["gpt"] = {"size": gpt["results"]["size"],
+                    "tokens_per_s": {f"{r['recipe']}/{r['attention_backend']}":
+                                     round(r["tokens_per_s"]) for r in gpt["results"]["rows"]
+                                     if "tokens_per_s" in r},
+                    "fp8_speedup_vs_bf16": gpt["results"]["fp8_speedup_vs_bf16"]}
+  if demo is not None:
+    found["demo"] = {r["recipe"]: {"tokens_per_s": round(r["tokens_per_s"]),
+                                   "attention": r["attention_backend"]} for r in demo["runs"]}
+  return found
+
+
+if __name__ == "__main__":
+  sys.exit(main())
