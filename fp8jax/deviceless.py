@@ -68,15 +68,35 @@ def h100_target_description() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def h100_devices():
-  """The devices of a one-GPU H100 topology (compile-only; nothing runs on them)."""
+def h100_devices(count: int = 1):
+  """The devices of an H100 SXM host with `count` GPUs (compile-only; nothing runs on them)."""
   from jax.experimental import topologies
+  if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 8:
+    raise ValueError(f"count={count!r} must be an int from 1 to 8 (GPUs of one H100 host).")
   missing = deviceless_toolchain_missing()
   if missing:
     raise RuntimeError(f"Cannot compile for an H100 without a GPU: {missing}")
   topology = topologies.get_topology_desc(
-      "h100", "cuda", target_config=h100_target_description(), topology="1x1x1")
+      "h100", "cuda", target_config=h100_target_description(), topology=f"1x1x{count}")
   return tuple(topology.devices)
+
+
+def h100_mesh(**axes: int):
+  """A `Mesh` of deviceless H100s, e.g. `h100_mesh(data=8)` or `h100_mesh(data=4, model=2)`.
+
+  Place `ShapeDtypeStruct`s on it with `NamedSharding(mesh, PartitionSpec(...))`:
+  `compile_for_h100` and `fp8jax.lowering.cost` keep those shardings, so the
+  compiled program is what each GPU of that host would run.
+  """
+  import numpy as np
+  from jax.sharding import Mesh
+  if not axes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
+                     for n in axes.values()):
+    raise ValueError(f"axes={axes!r} must name at least one mesh axis with a positive int "
+                     "size, e.g. h100_mesh(data=8).")
+  count = int(np.prod(list(axes.values())))
+  devices = np.asarray(h100_devices(count)).reshape(tuple(axes.values()))
+  return Mesh(devices, tuple(axes))
 
 
 def h100_spec(shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
@@ -87,8 +107,24 @@ def h100_spec(shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
 
 
 def on_h100(tree: Any) -> Any:
-  """Maps every array / ShapeDtypeStruct leaf of `tree` to an H100 spec of its shape and dtype."""
-  return jax.tree.map(lambda leaf: h100_spec(leaf.shape, leaf.dtype), tree)
+  """Every array / ShapeDtypeStruct leaf of `tree` as an H100 spec of its shape and dtype.
+
+  A leaf already placed on a deviceless H100 mesh (`h100_mesh`) keeps its sharding.
+  """
+  def place(leaf):
+    if _on_deviceless_mesh(leaf):
+      return leaf
+    return h100_spec(leaf.shape, leaf.dtype)
+
+  return jax.tree.map(place, tree)
+
+
+def _on_deviceless_mesh(leaf) -> bool:
+  mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+  devices = getattr(mesh, "devices", None)
+  if devices is None or not isinstance(leaf, jax.ShapeDtypeStruct) or not 1 <= devices.size <= 8:
+    return False
+  return devices.flat[0] in h100_devices(int(devices.size))
 
 
 def compile_for_h100(fn: Callable, *args, compiler_options: dict | None = None,

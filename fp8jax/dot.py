@@ -49,6 +49,7 @@ from fp8jax import weight_reuse
 from fp8jax.amax import amax, amax_max
 from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
+from fp8jax.kernel_partitioning import shard_local_gemm
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import quantize
 from fp8jax.fine_grained_dot import fine_grained_dot_general
@@ -234,7 +235,7 @@ def matrix_layout(dims, x_shape, kernel_shape) -> MatrixLayout | None:
                       n=math.prod(kernel_shape[n_contract:]))
 
 
-def _quantize_matrix(t, meta, like, partner_descales):
+def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
   """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `meta` with t's amax.
 
   Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
@@ -256,7 +257,7 @@ def _quantize_matrix(t, meta, like, partner_descales):
   q, q_t, running, products = cast_transpose_amax(
       t, scale, running, meta.fmt,
       descale=scale_inv if partner_descales is not None else None,
-      partner_descales=partner_descales)
+      partner_descales=partner_descales, gathered_for=gathered_for)
   return q, q_t, scale_inv, products, dataclasses.replace(meta, amax=running)
 
 
@@ -264,7 +265,8 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
   x2 = x.reshape(layout.m, layout.k)
   if reused is None:
     k2 = kernel.reshape(layout.k, layout.n)
-    qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None)
+    qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None,
+                                                        gathered_for=x2)
   else:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     meta_k = dataclasses.replace(meta.kernel, amax=amax_max(meta.kernel.amax, kernel_amax))
@@ -339,7 +341,7 @@ def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype
 
   if out_dtype not in _FUSED_OUTPUT_DTYPES:
     return float32_product(qa, qb, descale)
-  return jax.lax.platform_dependent(qa, qb, descale, cuda=cublaslt_fp8,
+  return jax.lax.platform_dependent(qa, qb, descale, cuda=shard_local_gemm(cublaslt_fp8),
                                     default=float32_product)
 
 

@@ -20,19 +20,20 @@ an H100 on a CPU-only machine gets the kernels too. Kernel and jnp agree bit
 for bit (tests/test_fused_kernels.py), except that XLA on CPU flushes
 subnormal inputs to zero where the GPU keeps them.
 
-The kernels run in single-device programs only. Under plain `jit` on several
-devices XLA's SPMD partitioner cannot split a custom kernel (it would gather
-its inputs to every device), and inside `shard_map` a Pallas call must declare
-how each output varies over the mesh, which these kernels do not do yet: there
-the jnp form runs (the same numbers, more kernels). `fused_kernels(True)`
-forces them on (e.g. a single-device program on a host with several GPUs),
+On a mesh (plain `jit` with sharded arrays, one host or many) each kernel runs
+on its device's shard and its amax output is made global by one max over the
+mesh axes that split the tensor (`fp8jax.kernel_partitioning`; XLA combines
+these scalar all-reduces into one), so no activation or gradient is gathered.
+Inside `jax.shard_map` (per-device code, where a Pallas call would have to
+declare how each output varies over the mesh) the jnp form runs: the same
+numbers, more kernels. `fused_kernels(True)` forces the kernels on,
 `fused_kernels(False)` off.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +42,12 @@ import pallas_kernels
 from fp8jax.formats import Fp8Format
 from fp8jax.amax import amax, amax_max
 from fp8jax.quantize import quantize
+from fp8jax.kernel_partitioning import shard_local, shard_local_weight_cast
 from fp8jax.sharding import varying_axes
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 _KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _FORCED = contextvars.ContextVar("fp8jax_fused_kernels", default=None)
-_warned_several_devices = False
 
 
 @contextlib.contextmanager
@@ -62,23 +63,23 @@ def fused_kernels(enabled: bool):
 
 
 def kernels_allowed(*trees) -> bool:
-  """Whether the fused kernels may take the arrays in `trees` (if lowered for a GPU)."""
+  """Whether the fused kernels may take the arrays in `trees` (if lowered for a GPU).
+
+  Yes in every program partitioned by XLA (one device or a mesh, plain `jit`):
+  each kernel runs on its device's shard (`fp8jax.kernel_partitioning`). No
+  inside `shard_map` (per-device code), where the jnp form runs.
+  """
   forced = _FORCED.get()
   if forced is not None:
     return forced
-  if varying_axes(*trees):
-    return False
-  if jax.device_count() > 1:
-    global _warned_several_devices
-    if not _warned_several_devices and jax.default_backend() == "gpu":
-      _warned_several_devices = True
-      warnings.warn(
-          f"fp8jax: {jax.device_count()} devices are visible, so its fused FP8 kernels are "
-          "off (XLA could not partition them); FP8 bookkeeping runs as plain XLA, with more "
-          "kernels. For single-device programs use `with fp8jax.fused_kernels.fused_kernels"
-          "(True):` around the jit trace.", stacklevel=3)
-    return False
-  return True
+  return not varying_axes(*trees) and not _inside_shard_map()
+
+
+def _inside_shard_map() -> bool:
+  """Whether the trace is per-device code (`jax.shard_map`: the mesh has manual axes)."""
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  mesh = get_mesh() if get_mesh is not None else None
+  return bool(getattr(mesh, "manual_axes", ()))
 
 
 def choose(args, kernel, reference):
@@ -91,7 +92,8 @@ def choose(args, kernel, reference):
 
 def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
                         fmt: Fp8Format, descale: jax.Array | None = None,
-                        partner_descales: tuple | None = None):
+                        partner_descales: tuple | None = None,
+                        gathered_for: jax.Array | None = None):
   """`(q, q.T, max(running_amax, max|x|), products)` with `q = saturate(x * scale)` in `fmt`.
 
   Args:
@@ -103,6 +105,10 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
       return `min(descale * partner, float32 max)` per partner, the combined
       descales of the GEMMs x enters (see `fp8jax.dot.scaled_matmul_nt`),
       computed by the same kernel instead of one scalar kernel per GEMM.
+    gathered_for: for a weight, the 2-D activation it meets in its GEMM. On a
+      mesh whose batch axes also split the weight (FSDP), the kernel then casts
+      each device's shard and all-gathers the FP8 copy, transposing it after
+      the gather (`fp8jax.kernel_partitioning.shard_local_weight_cast`).
 
   Returns:
     q [R, C] and q.T [C, R] in `fmt.dtype`, the updated float32[] running amax,
@@ -110,19 +116,32 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
   """
   with_products = partner_descales is not None
 
-  def reference(x, scale, running_amax, descale, partner_descales):
+  def reference(x, scale, running_amax, descale, partner_descales, gathered_for=None):
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if with_products else None)
     return q, q.T, amax_max(running_amax, amax(x)), products
 
-  def kernel(x, scale, running_amax, descale, partner_descales):
+  def local_kernel(x, scale, running_amax, *descales):
+    descale, partners = (descales[0], descales[1:]) if with_products else (None, None)
     out = pallas_kernels.cast_transpose_amax(
         x, scale, running_amax, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
-        partner_descales=partner_descales)
-    return out if with_products else (*out, None)
+        partner_descales=partners)
+    return tuple(out[:3]) + (tuple(out[3]) if with_products else ())
 
-  args = (x, scale, running_amax, descale, partner_descales)
+  n_products = len(partner_descales) if with_products else 0
+  per_shard = shard_local(local_kernel, ("same", "transposed", "amax") + ("scalar",) * n_products)
+
+  def kernel(x, scale, running_amax, descale, partner_descales, gathered_for):
+    descales = (descale, *partner_descales) if with_products else ()
+    if gathered_for is None:
+      q, q_t, new_amax, *products = per_shard(x, scale, running_amax, *descales)
+    else:
+      q, q_t, new_amax, *products = _weight_per_shard(local_kernel)(
+          x, gathered_for, scale, running_amax, *descales, n_scalars_out=n_products)
+    return q, q_t, new_amax, (tuple(products) if with_products else None)
+
+  args = (x, scale, running_amax, descale, partner_descales, gathered_for)
   if not _takes(x):
     return reference(*args)
   return choose(args, kernel, reference)
@@ -136,7 +155,7 @@ def tensor_amax(x: jax.Array) -> jax.Array:
     return amax_max(start, amax(x))
 
   def kernel(x, start):
-    return pallas_kernels.running_amax(x, start)
+    return _per_shard_amax(x, start)[0]
 
   if not _takes(x):
     return reference(x, zero)
@@ -154,6 +173,11 @@ def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_
         amax_compute_algo=amax_compute_algo, other_amaxes=other_amaxes)
 
   return choose((amaxes, other_amaxes, histories, scales), kernel, reference)
+
+
+_weight_per_shard = functools.lru_cache(maxsize=None)(shard_local_weight_cast)
+_per_shard_amax = shard_local(lambda x, start: (pallas_kernels.running_amax(x, start),),
+                              ("amax",))
 
 
 def _takes(x) -> bool:

@@ -400,6 +400,9 @@ def test_example_rejects_a_recipe_for_the_bf16_twin_and_unknown_precisions():
     (["--factory", "m:f", "--recipe", "current"], "--recipe applies to the built-in example"),
     (["--widths", "64,x"], "--widths '64,x': expected comma-separated integers"),
     (["--json", "/no/such/folder/cost.json"], "does not exist"),
+    (["--fsdp"], "--fsdp needs --mesh"),
+    (["--mesh", "data8"], "expected AXIS=N pairs"),
+    (["--mesh", "data=16"], "one H100 host has 1 to 8 GPUs"),
 ])
 def test_cli_cost_user_errors_are_one_line_messages(argv, message):
   with pytest.raises(SystemExit) as exit_info:
@@ -472,3 +475,26 @@ def test_cli_cost_factory_prints_its_table_and_with_a_baseline_the_comparison(
                "--baseline", "cost_cli_factories:double_matmul"]) == 0
   out = capsys.readouterr().out
   assert "predicted speedup of single_matmul over double_matmul:" in out
+
+
+@hopper
+@needs_toolchain
+def test_cli_cost_mesh_reports_per_device_with_the_collectives_over_nvlink(tmp_path, capsys):
+  path = tmp_path / "cost.json"
+  assert main(["cost", "--summary", "--mesh", "data=8", "--fsdp", "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "of which collectives' bytes over NVLink:" in out
+  loaded = json.loads(path.read_text())
+  fp8, bf16 = loaded["program"], loaded["baseline"]
+  # Both steps all-reduce the same bf16 gradients; FP8 gathers its weights in FP8.
+  assert 0 < fp8["predicted_link_time_s"] < bf16["predicted_link_time_s"]
+  # Per device: each GPU runs the GEMMs of its 1/8 of the batch (batch 8, so 1 row of it).
+  one = json.loads(_cost_json(tmp_path, capsys))
+  assert fp8["gemm_flops"] * 8 == pytest.approx(one["program"]["gemm_flops"], rel=0.01)
+
+
+def _cost_json(tmp_path, capsys):
+  path = tmp_path / "one_device.json"
+  assert main(["cost", "--summary", "--json", str(path)]) == 0
+  capsys.readouterr()
+  return path.read_text()

@@ -77,9 +77,19 @@ def test_cast_kernel_matches_fp8jax_quantize_amax_and_descale_products(fmt):
   assert float(want[2]) == max(2.5, float(fp8jax.amax(x)))
 
 
-def test_policy_single_device_yes_forced_off_no_and_inputs_the_kernels_cannot_take():
+def test_policy_plain_jit_yes_shard_map_no_forced_off_no_and_inputs_the_kernels_cannot_take():
   x = jnp.ones((16, 16), jnp.bfloat16)
-  assert fused_kernels.kernels_allowed(x) == (jax.device_count() == 1)
+  # Whatever the number of devices: the kernels partition over a mesh.
+  assert fused_kernels.kernels_allowed(x)
+  mesh = jax.make_mesh((1,), ("data",))
+  seen = []
+
+  def per_device(x):
+    seen.append(fused_kernels.kernels_allowed(x))
+    return x
+
+  jax.shard_map(per_device, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(x)
+  assert seen == [False]
   with fused_kernels.fused_kernels(False):
     assert not fused_kernels.kernels_allowed(x)
   with fused_kernels.fused_kernels(True):

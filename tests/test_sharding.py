@@ -64,6 +64,7 @@ B, K, H, N = 32, 16, 32, 8
 DELAYED = fp8jax.DelayedScaling(amax_history_len=4)
 PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
 REPLICATED_SPECS = {name: P() for name in PARAM_SPECS}
+FSDP_SPECS = {"w1": P("data", None), "b1": P(), "w2": P("data", None)}
 # Roles whose tensor is downstream of the row-parallel sum over "model".
 DOWNSTREAM_OF_SHARDED_SUM = {"l2.grad"}
 
@@ -105,14 +106,14 @@ def _mesh(data, model):
   return jax.make_mesh((data, model), ("data", "model"), axis_types=auto)
 
 
-def gspmd_step(mesh):
-  """Plain jit: batch over "data", kernels over "model", FP8 state replicated."""
+def gspmd_step(mesh, param_specs=PARAM_SPECS):
+  """Plain jit: batch over "data", kernels as `param_specs`, FP8 state replicated."""
   shard = lambda spec: NamedSharding(mesh, spec)
   step = jax.jit(one_device_step, out_shardings=(
-      {k: shard(s) for k, s in PARAM_SPECS.items()}, None, shard(P()), shard(P())))
+      {k: shard(s) for k, s in param_specs.items()}, None, shard(P()), shard(P())))
 
   def run(params, opt_state, fp8_state, x, t):
-    params = {k: jax.device_put(v, shard(PARAM_SPECS[k])) for k, v in params.items()}
+    params = {k: jax.device_put(v, shard(param_specs[k])) for k, v in params.items()}
     return step(params, opt_state, jax.device_put(fp8_state, shard(P())),
                 jax.device_put(x, shard(P("data"))), jax.device_put(t, shard(P("data"))))
   return run
@@ -182,6 +183,8 @@ def assert_same_fp8_state(got, want, inexact=frozenset(), rtol=0.0):
 LAYOUTS = {
     # name: (step factory, roles that may differ in the last bit)
     "gspmd data=4 x model=2": (lambda: gspmd_step(_mesh(4, 2)), DOWNSTREAM_OF_SHARDED_SUM),
+    "gspmd data=8": (lambda: gspmd_step(_mesh(8, 1), REPLICATED_SPECS), set()),
+    "gspmd data=8 FSDP": (lambda: gspmd_step(_mesh(8, 1), FSDP_SPECS), set()),
     "shard_map data=8": (lambda: shard_map_step(_mesh(8, 1), REPLICATED_SPECS, None), set()),
     "shard_map data=4 x model=2": (
         lambda: shard_map_step(_mesh(4, 2), PARAM_SPECS, "model"), DOWNSTREAM_OF_SHARDED_SUM),

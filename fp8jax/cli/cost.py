@@ -35,6 +35,12 @@ def add_parser(commands) -> None:
                            help="with --factory: the baseline (e.g. bf16) to compare with")
   cost_parser.add_argument("--constant", action="append", default=[], metavar="NAME=VALUE",
                            help=f"override a machine constant (repeatable); one of: {names}")
+  example.add_argument("--mesh", metavar="AXIS=N,...", default=None,
+                       help="compile for one host of N H100s (e.g. data=8, or data=4,model=2): "
+                            "the batch split over the first axis, the rest replicated; the "
+                            "report is per device, collectives over NVLink included")
+  example.add_argument("--fsdp", action="store_true",
+                       help="with --mesh: also split each weight's rows over the first axis")
   cost_parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
   cost_parser.add_argument("--summary", action="store_true",
                            help="print the totals only, not the per-kernel tables")
@@ -73,8 +79,12 @@ def run(args) -> int:
 def _cost_programs(args) -> list[tuple[str, object, tuple]]:
   """[(label, fn, args)]: the program, then its baseline if there is one."""
   example_flags = [flag for flag, value in (("--recipe", args.recipe), ("--widths", args.widths),
-                                            ("--batch", args.batch), ("--seq", args.seq))
+                                            ("--batch", args.batch), ("--seq", args.seq),
+                                            ("--mesh", args.mesh),
+                                            ("--fsdp", True if args.fsdp else None))
                    if value is not None]
+  if args.fsdp and not args.mesh:
+    raise SystemExit("--fsdp needs --mesh (e.g. --mesh data=8 --fsdp).")
   if args.factory:
     if example_flags:
       raise SystemExit(f"{example_flags[0]} applies to the built-in example, not to "
@@ -102,7 +112,33 @@ def _cost_programs(args) -> list[tuple[str, object, tuple]]:
     bf16 = lowering.example_train_step(precision="bf16", **sizes)
   except ValueError as e:  # --widths, --batch or --seq out of range
     raise SystemExit(f"the built-in example: {e}") from None
+  if args.mesh:
+    mesh = _parse_mesh(args.mesh)
+    fp8 = (fp8[0], lowering.example.on_mesh(fp8[1], mesh, fsdp=args.fsdp))
+    bf16 = (bf16[0], lowering.example.on_mesh(bf16[1], mesh, fsdp=args.fsdp))
   return [(f"fp8_train_step ({recipe_name})", *fp8), ("bf16_train_step", *bf16)]
+
+
+def _parse_mesh(text: str):
+  """`--mesh data=8` or `data=4,model=2` as a deviceless H100 mesh."""
+  from fp8jax import deviceless
+
+  axes = {}
+  for item in text.split(","):
+    name, sep, size = item.partition("=")
+    if not sep or not name.strip().isidentifier() or not size.strip().isdigit():
+      raise SystemExit(f"--mesh {text!r}: expected AXIS=N pairs separated by commas, e.g. "
+                       "data=8 or data=4,model=2.")
+    axes[name.strip()] = int(size)
+  total = 1
+  for size in axes.values():
+    total *= size
+  if not 1 <= total <= 8:
+    raise SystemExit(f"--mesh {text!r}: {total} devices; one H100 host has 1 to 8 GPUs.")
+  try:
+    return deviceless.h100_mesh(**axes)
+  except (ValueError, RuntimeError) as e:
+    raise SystemExit(f"--mesh {text!r}: {e}") from None
 
 
 def _parse_widths(text: str) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ kernel the GPU would launch, in program order:
 * GEMMs: cuBLAS / cuBLASLt custom calls and fusions holding a `dot` (Triton);
 * fusions and the other ops XLA emits as kernels (copies, sorts, scatters, ...);
 * Pallas / Mosaic / Triton kernels (custom calls);
-* collectives (their launch only: link bandwidth is not modelled).
+* collectives: their launch and the bytes each device sends over NVLink.
 
 Each kernel's time is a roofline plus a fixed cost per launch:
 
@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 from typing import Callable, Mapping, Sequence
 
 from fp8jax.lowering.hlo_text import ArrayShape, Computation, HloModule, Instruction, parse_hlo_module
@@ -67,6 +68,12 @@ class CostConstants:
     f32_gemm_flops_per_s: f32 GEMM rate (XLA's default precision on Hopper uses TF32).
     hbm_bytes_per_s: device memory bandwidth, bytes read + written per second.
     kernel_overhead_s: fixed cost per kernel (launch, ramp-up and tail).
+    link_bytes_per_s: what one GPU sends (and receives) per second to the others
+      of its host in a collective: NVLink 4 on an H100 SXM, 450 GB/s each way
+      (datasheet; not measured here). A collective costs its launch plus the
+      bytes each device must send over this link (ring algorithms: an
+      all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a
+      reduce-scatter (n-1)/n of the whole buffer), with no overlap with compute.
 
   The defaults are profiler measurements on an H100 80GB HBM3 (SXM), jax 0.11.2
   (benchmarks/results/h100_dense_device_time.json): cuBLASLt ran FP8 GEMMs at
@@ -83,6 +90,7 @@ class CostConstants:
   f32_gemm_flops_per_s: float = 400e12
   hbm_bytes_per_s: float = 2.7e12
   kernel_overhead_s: float = 1.2e-6
+  link_bytes_per_s: float = 450e9
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -152,6 +160,17 @@ class CostReport:
     return sum(k.time_s for k in self.kernels)
 
   @property
+  def link_time_s(self) -> float:
+    """The part of `time_s` spent sending collectives' bytes over NVLink."""
+    return sum(k.time_s - self.constants.kernel_overhead_s * k.launches
+               for k in self.kernels if k.category == "collective")
+
+  @property
+  def compute_time_s(self) -> float:
+    """`time_s` without `link_time_s`: what the kernels themselves take."""
+    return self.time_s - self.link_time_s
+
+  @property
   def kernel_launches(self) -> int:
     return sum(k.launches for k in self.kernels)
 
@@ -174,6 +193,7 @@ class CostReport:
   def summary(self) -> dict:
     """Totals as a dict (what the JSON and the comparison show)."""
     return {"label": self.label, "predicted_time_s": self.time_s,
+            "predicted_link_time_s": self.link_time_s,
             "kernel_launches": self.kernel_launches, "gemm_launches": self.gemm_launches,
             "non_gemm_launches": self.non_gemm_launches, "bytes": self.bytes,
             "gemm_flops": self.flops}
@@ -229,6 +249,9 @@ class CostComparison:
       lines.append(f"{row['label'][:24]:<24} {row['kernel_launches']:>8} {row['gemm_launches']:>6} "
                    f"{row['non_gemm_launches']:>6} {row['bytes'] / 1e6:>10.1f} "
                    f"{row['predicted_time_s'] * 1e6:>10.1f}")
+    if self.program.link_time_s or self.baseline.link_time_s:
+      lines.append(f"of which collectives' bytes over NVLink: {self.baseline.link_time_s * 1e6:.1f} "
+                   f"us and {self.program.link_time_s * 1e6:.1f} us")
     lines.append(f"predicted speedup of {self.program.label} over {self.baseline.label}: "
                  f"{self.speedup:.2f}x")
     return "\n".join(lines)
@@ -378,7 +401,7 @@ def _kernel(module: HloModule, instr: Instruction, launches: int,
   category, gemm_dtype, flops = _classify(module, instr)
   bytes_in, bytes_out = _traffic(module, instr, category)
   if category == "collective":
-    seconds = constants.kernel_overhead_s
+    seconds = constants.kernel_overhead_s + _link_bytes(instr) / constants.link_bytes_per_s
   else:
     compute = flops / constants.gemm_rate(gemm_dtype) if flops else 0.0
     seconds = max(compute, (bytes_in + bytes_out) / constants.hbm_bytes_per_s)
@@ -386,6 +409,43 @@ def _kernel(module: HloModule, instr: Instruction, launches: int,
   return KernelCost(name=instr.name, category=category, gemm_dtype=gemm_dtype,
                     bytes_in=int(bytes_in), bytes_out=int(bytes_out), flops=int(flops),
                     launches=launches, time_s=seconds * launches, op_name=instr.op_name)
+
+
+def _link_bytes(instr: Instruction) -> float:
+  """Bytes one device sends in a collective (ring algorithms; 0 for a group of one)."""
+  n = _group_size(instr)
+  if n <= 1:
+    return 0.0
+  op = instr.opcode.removesuffix("-start")
+  shapes = list(instr.shapes)
+  if op == "all-gather" and instr.is_tuple and len(shapes) % 2 == 0:
+    shapes = shapes[len(shapes) // 2:]  # the async form lists the operands, then the results
+  payload = sum(_nbytes(s) for s in shapes)
+  if op == "all-reduce":
+    return 2 * (n - 1) / n * payload
+  if op == "reduce-scatter":
+    return (n - 1) * payload  # the result is 1/n of the buffer each device reduces
+  if op in ("all-gather", "all-to-all"):
+    return (n - 1) / n * payload
+  return payload  # collective-permute, send, recv
+
+
+def _group_size(instr: Instruction) -> int:
+  """Devices per replica group: `{{0,1,..}}`, `[groups,size]<=[n]` or `mesh[..] {axes}`."""
+  raw = instr.attributes.get("replica_groups", "")
+  mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", raw)
+  if mesh:
+    sizes = {k.strip("' "): int(v) for k, v in re.findall(r"('[^']*')=(\d+)", mesh.group(1))}
+    axes = [a.strip("' ") for a in mesh.group(2).split(",") if a.strip()]
+    return math.prod(sizes.get(a, 1) for a in axes)
+  iota = re.match(r"\[(\d+),(\d+)\]", raw)
+  if iota:
+    return int(iota.group(2))
+  first = re.match(r"\{\{([^}]*)\}", raw)
+  if first:
+    return len([v for v in first.group(1).split(",") if v.strip()])
+  pairs = instr.attributes.get("source_target_pairs")
+  return 2 if pairs else 1
 
 
 def _classify(module: HloModule, instr: Instruction) -> tuple[str, str, int]:

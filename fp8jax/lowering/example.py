@@ -160,3 +160,28 @@ def _check_precision(precision) -> None:
 
 def _positive_int(value) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def on_mesh(example_args: tuple, mesh, fsdp: bool = False) -> tuple:
+  """`example_train_step`'s argument specs placed on `mesh` for a data-parallel step.
+
+  The batch is split over the mesh's first axis; params, optimizer state and
+  FP8 state are replicated, or, with `fsdp=True`, every 2-D parameter (and its
+  optimizer moments) is split on its rows over that axis too.
+  """
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  data = mesh.axis_names[0]
+
+  def place(spec, partition):
+    return jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                                sharding=NamedSharding(mesh, partition))
+
+  def param_like(spec):
+    rows_split = fsdp and spec.ndim == 2 and spec.shape[0] % mesh.shape[data] == 0
+    return place(spec, PartitionSpec(data, None) if rows_split else PartitionSpec())
+
+  params, opt_state, fp8_state, batch = example_args
+  return (jax.tree.map(param_like, params), jax.tree.map(param_like, opt_state),
+          jax.tree.map(lambda s: place(s, PartitionSpec()), fp8_state),
+          jax.tree.map(lambda s: place(s, PartitionSpec(data)), batch))

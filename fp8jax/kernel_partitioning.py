@@ -1,0 +1,253 @@
+"""Per-shard FP8 kernels: how XLA splits fp8jax's cast and amax kernels over a mesh.
+
+XLA's SPMD partitioner cannot look inside a custom kernel, so by itself it runs
+one on the whole (gathered) tensor on every device. `shard_local` wraps a kernel
+in `jax.experimental.custom_partitioning` with the rule these kernels obey:
+
+* the kernel reads one 2-D tensor `t` (any sharding of its two axes) and
+  scalars (replicated: FP8 scales, running amaxes, descales);
+* each device runs the kernel on its own shard of `t`: its tensor outputs are
+  `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
+  two axes' shardings swapped), so nothing is gathered;
+* the amax outputs ("amax") are made global by a max over the mesh axes that
+  split `t` (bit for bit the single-device amax: a max does not depend on the
+  order it is taken in); other scalar outputs ("scalar") come from replicated
+  scalars alone and stay replicated.
+
+An axis of `t` whose size the mesh does not divide is gathered first (XLA would
+pad the shard, and the padding would enter the amax). A tensor that is
+replicated runs as is on every device, as the unpartitioned kernel would.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+OUTPUT_KINDS = ("same", "transposed", "amax", "scalar")
+
+
+def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
+  """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
+
+  Args:
+    kernel: a function of a 2-D array and float32[] scalars returning a tuple,
+      output i of kind `outputs[i]` (see the module docstring).
+    outputs: one of OUTPUT_KINDS per output.
+  """
+  outputs = tuple(outputs)
+  unknown = [kind for kind in outputs if kind not in OUTPUT_KINDS]
+  if unknown:
+    raise ValueError(f"outputs={outputs!r}: {unknown} are not among {OUTPUT_KINDS}.")
+
+  @functools.lru_cache(maxsize=None)
+  def partitioned_for(n_scalars: int):
+    @custom_partitioning
+    def partitioned(t, *scalars):
+      return tuple(kernel(t, *scalars))
+
+    def partition(mesh, arg_shapes, result_shape):
+      t_spec = _divisible_spec(mesh, arg_shapes[0])
+      split_over = tuple(name for entry in t_spec for name in _names(entry))
+
+      def lower_fn(t, *scalars):
+        results = list(kernel(t, *scalars))
+        for i, kind in enumerate(outputs):
+          if kind == "amax" and split_over:
+            results[i] = jax.lax.pmax(results[i], split_over)
+        return tuple(results)
+
+      replicated = NamedSharding(mesh, PartitionSpec())
+      arg_shardings = (NamedSharding(mesh, t_spec),) + (replicated,) * n_scalars
+      return mesh, lower_fn, _result_shardings(mesh, t_spec, outputs), arg_shardings
+
+    def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+      return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0]), outputs)
+
+    return _define(partitioned, partition, infer_sharding_from_operands,
+                   _sharding_rule(n_scalars, outputs))
+
+  @functools.wraps(kernel)
+  def call(t, *scalars):
+    return partitioned_for(len(scalars))(t, *scalars)
+
+  return call
+
+
+def _sharding_rule(n_scalars: int, outputs) -> str:
+  """Shardy's einsum-like rule: t is `r c`, scalars (operands and outputs) are rank 0."""
+  layout = {"same": "r c", "transposed": "c r", "amax": "", "scalar": ""}
+  operands = ", ".join(["r c"] + [""] * n_scalars)
+  results = ", ".join(layout[kind] for kind in outputs)
+  return f"{operands} -> {results}"
+
+
+def _define(partitioned, partition, infer_sharding_from_operands, rule: str, **rule_options):
+  """Gives a `custom_partitioning` function its rules: `partition` and, for Shardy, the
+  einsum-like `rule` (GSPMD, when Shardy is off, uses `infer_sharding_from_operands`)."""
+  partitioned.def_partition(
+      partition=partition,
+      infer_sharding_from_operands=infer_sharding_from_operands,
+      propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+      sharding_rule=rule, **rule_options)
+  return partitioned
+
+
+def _names(entry) -> tuple:
+  if entry is None:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _divisible_spec(mesh, shape) -> PartitionSpec:
+  """The 2-D spec of `shape.sharding`, with any axis the mesh does not divide evenly unsharded."""
+  sharding = shape.sharding
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return PartitionSpec(None, None)
+  entries = list(spec) + [None] * (2 - len(spec))
+  for axis, entry in enumerate(entries[:2]):
+    ways = 1
+    for name in _names(entry):
+      ways *= mesh.shape[name]
+    if ways > 1 and shape.shape[axis] % ways:
+      entries[axis] = None
+  return PartitionSpec(*entries[:2])
+
+
+def _result_shardings(mesh, t_spec: PartitionSpec, outputs) -> tuple:
+  rows, cols = tuple(t_spec) + (None,) * (2 - len(t_spec))
+  specs = {"same": PartitionSpec(rows, cols), "transposed": PartitionSpec(cols, rows),
+           "amax": PartitionSpec(), "scalar": PartitionSpec()}
+  return tuple(NamedSharding(mesh, specs[kind]) for kind in outputs)
+
+
+def shard_local_gemm(gemm: Callable) -> Callable:
+  """`gemm(qa [P, C], qb [Q, C], descale float32[]) -> [P, Q]`, run on each device's shards.
+
+  XLA partitions a plain dot by itself, but where the contracted dim C is
+  split it sums the partial products right after the dot and only then applies
+  the descale: one more pass over the output, outside the cuBLASLt GEMM. Here
+  the rule is that of a dot (`p c, q c -> p q`, C a reduction factor), the
+  per-device body is the whole scaled GEMM, and the partial products are summed
+  over the axes that split C after it (XLA turns a sum followed by a slice into
+  a reduce-scatter, as for any dot).
+  """
+
+  @custom_partitioning
+  def partitioned(qa, qb, descale):
+    return gemm(qa, qb, descale)
+
+  def _specs(mesh, arg_shapes):
+    (p, c_a), (q, c_b) = (tuple(_divisible_spec(mesh, s)) for s in arg_shapes[:2])
+    c = c_a if c_a == c_b else None
+    used = set(_names(p))
+    if used & set(_names(q)):
+      q = None
+    used |= set(_names(q))
+    if used & set(_names(c)):
+      c = None
+    return p, q, c
+
+  def partition(mesh, arg_shapes, result_shape):
+    p, q, c = _specs(mesh, arg_shapes)
+    contracted_over = _names(c)
+
+    def lower_fn(qa, qb, descale):
+      out = gemm(qa, qb, descale)
+      return jax.lax.psum(out, contracted_over) if contracted_over else out
+
+    arg_shardings = (NamedSharding(mesh, PartitionSpec(p, c)),
+                     NamedSharding(mesh, PartitionSpec(q, c)),
+                     NamedSharding(mesh, PartitionSpec()))
+    return mesh, lower_fn, NamedSharding(mesh, PartitionSpec(p, q)), arg_shardings
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    p, q, _ = _specs(mesh, arg_shapes)
+    return NamedSharding(mesh, PartitionSpec(p, q))
+
+  _define(partitioned, partition, infer_sharding_from_operands, "p c, q c, -> p q",
+          reduction_factors=("c",))
+
+  @functools.wraps(gemm)
+  def call(qa, qb, descale):
+    return partitioned(qa, qb, descale)
+
+  return call
+
+
+def shard_local_weight_cast(cast: Callable) -> Callable:
+  """`cast(w, *scalars) -> (q, q_t, amax, *scalars_out)` for a weight sharded as FSDP shards it.
+
+  Called as `call(w, x, *scalars)`: `x` is the activation the weight meets in
+  its GEMM; only its sharding is read. The mesh axes that split both the
+  weight and x's rows (FSDP: the data axis) are the ones the GEMMs need
+  gathered. Each device casts its own shard of the weight (one pass, its amax
+  made global by a max), all-gathers the FP8 copy over those axes (half the
+  bytes of a bf16 gather) and transposes it locally: with `CostConstants`, a
+  local transpose moves each byte through HBM at 2.7 TB/s where gathering the
+  transposed copy too would send it over NVLink at 0.45 TB/s. Axes that split
+  the weight but not x's rows (tensor parallelism) stay split.
+  """
+
+  def _plan(mesh, arg_shapes):
+    w_spec = tuple(_divisible_spec(mesh, arg_shapes[0]))
+    x_spec = getattr(arg_shapes[1].sharding, "spec", None) or PartitionSpec()
+    batch_axes = set(name for entry in tuple(x_spec)[:-1] for name in _names(entry))
+    gather = [tuple(n for n in _names(entry) if n in batch_axes) for entry in w_spec]
+    kept = [tuple(n for n in _names(entry) if n not in batch_axes) or None for entry in w_spec]
+    kept = [k[0] if k is not None and len(k) == 1 else k for k in kept]
+    return w_spec, gather, kept
+
+  def _results(mesh, kept, n_scalars_out):
+    rows, cols = kept
+    specs = (PartitionSpec(rows, cols), PartitionSpec(cols, rows)) + \
+        (PartitionSpec(),) * (1 + n_scalars_out)
+    return tuple(NamedSharding(mesh, s) for s in specs)
+
+  def partition(mesh, arg_shapes, result_shape):
+    w_spec, gather, kept = _plan(mesh, arg_shapes)
+    split_over = tuple(name for entry in w_spec for name in _names(entry))
+
+    def lower_fn(w, x, *scalars):
+      del x
+      q, q_t, amax, *rest = cast(w, *scalars)
+      if split_over:
+        amax = jax.lax.pmax(amax, split_over)
+      if not any(gather):
+        return (q, q_t, amax, *rest)
+      for axis, names in enumerate(gather):
+        if names:
+          q = jax.lax.all_gather(q, names, axis=axis, tiled=True)
+      return (q, q.T, amax, *rest)
+
+    arg_shardings = (NamedSharding(mesh, PartitionSpec(*w_spec)), arg_shapes[1].sharding) + \
+        (NamedSharding(mesh, PartitionSpec()),) * (len(arg_shapes) - 2)
+    return mesh, lower_fn, _results(mesh, kept, len(result_shape) - 3), arg_shardings
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    _, _, kept = _plan(mesh, arg_shapes)
+    return _results(mesh, kept, len(result_shape) - 3)
+
+  @functools.lru_cache(maxsize=None)
+  def partitioned_for(n_scalars: int, n_scalars_out: int, x_rank: int):
+    @custom_partitioning
+    def fn(w, x, *scalars):
+      del x
+      return tuple(cast(w, *scalars))
+
+    # The results' factors are their own: where they are gathered is decided
+    # in `partition`, not propagated from the weight's sharding.
+    x_factors = " ".join(f"x{i}" for i in range(x_rank))
+    operands = ", ".join(["r c", x_factors] + [""] * n_scalars)
+    results = ", ".join(["p q", "q p", ""] + [""] * n_scalars_out)
+    return _define(fn, partition, infer_sharding_from_operands, f"{operands} -> {results}")
+
+  def call(w, x, *scalars, n_scalars_out: int = 0):
+    return partitioned_for(len(scalars), n_scalars_out, x.ndim)(w, x, *scalars)
+
+  return call
+
