@@ -46,6 +46,8 @@ from fp8jax.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, 
 from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
 from fp8jax.amax import amax
+from fp8jax.attention_partitioning import shard_local_attention
+from fp8jax.fused_kernels import inside_shard_map
 from fp8jax.scaling import quantize_with_meta
 from fp8jax.recipes import Recipe, check_recipe
 from fp8jax.scaling import record_amax
@@ -284,16 +286,56 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
 
 
 def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
+  """(out, out_amax, lse) from an FP8 forward kernel, run on each device's batch rows and heads."""
   if backend == "pallas_hopper_fp8":
-    # lse is base 2 here: hopper_fp8_attention_backward takes it as it is.
-    return pallas_kernels.hopper_fp8_attention_forward(
-        q8, k8, v8, *descales, causal=call.causal, sm_scale=call.sm_scale,
-        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-  result = pallas_kernels.flash_attention_forward(
-      q8, k8, v8, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
-      q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
-      interpret=call.interpret)
-  return result.out, result.out_amax, result.lse
+    def kernel(q8, k8, v8, descale_q, descale_k, descale_v, q_seg, kv_seg):
+      # lse is base 2 here: hopper_fp8_attention_backward takes it as it is.
+      return pallas_kernels.hopper_fp8_attention_forward(
+          q8, k8, v8, descale_q, descale_k, descale_v, causal=call.causal,
+          sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  else:
+    def kernel(q8, k8, v8, descale_q, descale_k, descale_v, q_seg, kv_seg):
+      result = pallas_kernels.flash_attention_forward(
+          q8, k8, v8, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+          q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal,
+          sm_scale=call.sm_scale, interpret=call.interpret)
+      return result.out, result.out_amax, result.lse
+  per_shard = _per_shard(kernel, ("bshd", "btkd", "btkd", "", "", "", "bs", "bt"),
+                         ("bshd", "amax", "bhs"))
+  return per_shard(q8, k8, v8, *descales, q_seg, kv_seg)
+
+
+def _fused_fp8_backward(backend, q8, k8, v8, descales, out, lse, g, q_seg, kv_seg, call):
+  """(dq, dk, dv) from an FP8 backward kernel, run on each device's batch rows and heads."""
+  if backend == "pallas_hopper_fp8":
+    # dO's E4M3 scale comes from the whole dO (one scale, as on one device).
+    g8, descale_g = pallas_kernels.quantize_gradient(g)
+
+    def kernel(q8, k8, v8, out, lse, g8, descale_q, descale_k, descale_v, descale_g, q_seg,
+               kv_seg):
+      return pallas_kernels.hopper_fp8_attention_backward(
+          q8, k8, v8, out, lse, g8, descale_q, descale_k, descale_v, causal=call.causal,
+          sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+          g_descale=descale_g)
+    operands = ("bshd", "btkd", "btkd", "bshd", "bhs", "bshd", "", "", "", "", "bs", "bt")
+    args = (q8, k8, v8, out, lse, g8, *descales, descale_g, q_seg, kv_seg)
+  else:
+    def kernel(q8, k8, v8, out, lse, g, descale_q, descale_k, descale_v, q_seg, kv_seg):
+      return pallas_kernels.flash_attention_backward(
+          q8, k8, v8, out, lse, g, descale_q=descale_q, descale_k=descale_k,
+          descale_v=descale_v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+          causal=call.causal, sm_scale=call.sm_scale, interpret=call.interpret)
+    operands = ("bshd", "btkd", "btkd", "bshd", "bhs", "bshd", "", "", "", "bs", "bt")
+    args = (q8, k8, v8, out, lse, g.astype(out.dtype), *descales, q_seg, kv_seg)
+  return _per_shard(kernel, operands, ("bshd", "btkd", "btkd"))(*args)
+
+
+def _per_shard(kernel, operands, outputs):
+  """`kernel` partitioned over batch rows and heads (`fp8jax.attention_partitioning`);
+  as it is inside `shard_map`, whose code is per device already."""
+  if inside_shard_map():
+    return kernel
+  return shard_local_attention(kernel, operands, outputs)
 
 
 def _dequantized(tensors8, descales, dtype):
@@ -314,16 +356,9 @@ def _fp8_attention_bwd(call, residuals, cotangents):
         call.backend, q, k, v, call.causal, q_seg, kv_seg, call.sm_scale),
         *_dequantized((q8, k8, v8), descales, dtype))
     dq, dk, dv = vjp(g.astype(dtype))
-  elif call.backend == "pallas_hopper_fp8":
-    dq, dk, dv = pallas_kernels.hopper_fp8_attention_backward(
-        q8, k8, v8, out, lse, g, *descales, causal=call.causal, sm_scale=call.sm_scale,
-        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   else:
-    dq, dk, dv = pallas_kernels.flash_attention_backward(
-        q8, k8, v8, out, lse, g.astype(out.dtype), descale_q=descales[0],
-        descale_k=descales[1], descale_v=descales[2], q_segment_ids=q_seg,
-        kv_segment_ids=kv_seg, causal=call.causal, sm_scale=call.sm_scale,
-        interpret=call.interpret)
+    dq, dk, dv = _fused_fp8_backward(call.backend, q8, k8, v8, descales, out, lse, g, q_seg,
+                                     kv_seg, call)
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g)))
   # q, k, v share a dtype, and the output (hence g) has it too.

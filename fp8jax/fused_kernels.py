@@ -72,10 +72,10 @@ def kernels_allowed(*trees) -> bool:
   forced = _FORCED.get()
   if forced is not None:
     return forced
-  return not varying_axes(*trees) and not _inside_shard_map()
+  return not varying_axes(*trees) and not inside_shard_map()
 
 
-def _inside_shard_map() -> bool:
+def inside_shard_map() -> bool:
   """Whether the trace is per-device code (`jax.shard_map`: the mesh has manual axes)."""
   get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
   mesh = get_mesh() if get_mesh is not None else None

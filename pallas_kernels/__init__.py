@@ -6,7 +6,8 @@
 * `hopper_attention` (bf16/f16, differentiable), `hopper_fp8_attention_forward` and
   `hopper_fp8_attention_backward`: FlashAttention-3 style kernels on Hopper tensor cores
   (Mosaic GPU, warp-specialized, TMA-fed `wgmma`, FP8 products in E4M3);
-  `HopperAttentionBlockSizes` their tiles.
+  `HopperAttentionBlockSizes` their tiles; `quantize_gradient` the backward's E4M3
+  cast of dO (for callers that quantize the whole dO before running on shards).
 * `cast_transpose_amax`: one pass over a 2-D tensor that writes its FP8 copy, the
   transposed FP8 copy and its amax folded into a running amax (Triton-lowered on GPUs,
   the Pallas interpreter on CPU); `cast_transpose_amax_reference` is its plain-jnp
@@ -31,7 +32,7 @@ from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention
                                             flash_attention_backward, flash_attention_forward,
                                             fp8_forward_reference)
 from pallas_kernels.hopper_attention import (hopper_attention, hopper_fp8_attention_backward,
-                                             hopper_fp8_attention_forward)
+                                             hopper_fp8_attention_forward, quantize_gradient)
 from pallas_kernels.hopper_attention_tiling import HopperAttentionBlockSizes
 from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_GPU,
                                                 BlockScaledMatmulBlockSizes,
@@ -45,5 +46,5 @@ __all__ = [
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
     "HopperAttentionBlockSizes", "hopper_attention", "hopper_fp8_attention_backward",
-    "hopper_fp8_attention_forward", "running_amax",
+    "hopper_fp8_attention_forward", "quantize_gradient", "running_amax",
 ]

@@ -182,7 +182,7 @@ def hopper_fp8_attention_backward(
     descale_q, descale_k, descale_v, *, causal: bool = False, sm_scale: float | None = None,
     q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
     block_sizes: HopperAttentionBlockSizes = HopperAttentionBlockSizes(),
-    interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    interpret=False, g_descale=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradients of `hopper_fp8_attention_forward` with respect to the dequantized q, k, v.
 
   Args:
@@ -191,6 +191,8 @@ def hopper_fp8_attention_backward(
     out, lse2: the forward's output and base-2 lse.
     g: the output's cotangent, [batch, q_len, heads, head_dim] (any float dtype); it is
       quantized to E4M3 with a current scale (`quantize_gradient`).
+    g_descale: None, or g's descale when g is already E4M3 from `quantize_gradient`
+      (a caller that runs this on shards quantizes the whole g first: one scale).
 
   Returns:
     (dq, dk, dv) in bfloat16: the gradients with respect to q8 * descale_q, k8 *
@@ -199,7 +201,13 @@ def hopper_fp8_attention_backward(
   geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes, (E4M3,))
   q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
   sm_scale = _sm_scale(sm_scale, geo.head_dim)
-  g8, descale_g = quantize_gradient(g)
+  if g_descale is None:
+    g8, descale_g = quantize_gradient(g)
+  elif g.dtype != E4M3:
+    raise TypeError(f"g has dtype {g.dtype} with g_descale given; pass g quantized by "
+                    "quantize_gradient (E4M3), or no g_descale.")
+  else:
+    g8, descale_g = g, _descale(g_descale)
   dq_, dk_, dv_ = (_descale(d) for d in (descale_q, descale_k, descale_v))
   scales = jnp.stack([dq_ * dk_ * (sm_scale * LOG2E), descale_g * dv_, descale_g / P_SCALE,
                       dk_ * sm_scale, dq_ * sm_scale])

@@ -42,3 +42,38 @@ def test_fp8_attention_train_step_compiles_for_h100_with_hopper_forward_and_back
   assert sum(t.startswith("mosaic_gpu") for t in targets) == 3, targets
   assert targets.count("__gpu$xla.gpu.triton") == 1, targets
   assert "fp8_scale_update" in hlo
+
+
+def test_fp8_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh():
+  """On 8 H100s (data=4 x model=2, the batch over "data", the heads over "model")
+  each GPU's three Mosaic kernels take its own 4 of 16 sequences and 8 of 16
+  query heads (2 of 4 kv heads); nothing is gathered (XLA would otherwise
+  gather q, k and v whole to every GPU, unable to split a custom kernel)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = deviceless.h100_mesh(data=4, model=2)
+  batch, seq, heads, kv_heads, head_dim = 16, 2048, 16, 4, 128
+  call = _Call("pallas_hopper_fp8", causal=True, sm_scale=None, interpret=False)
+  split = NamedSharding(mesh, P("data", None, "model"))
+  replicated = NamedSharding(mesh, P())
+  meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                      fp8jax.init_attention_meta(fp8jax.DelayedScaling()))
+
+  def loss_fn(qkv, meta):
+    out, meta = _fp8_attention(*qkv, meta, None, None, call)
+    return jnp.sum(out.astype(jnp.float32)), meta
+
+  q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16, sharding=split)
+  kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.bfloat16, sharding=split)
+  hlo = deviceless.compile_for_h100(fp8jax.value_and_grad(loss_fn), (q, kv, kv), meta).as_text()
+  assert "all-gather" not in hlo
+  kernels = [line for line in hlo.splitlines()
+             if 'custom_call_target="mosaic_gpu' in line and " custom-call(" in line]
+  assert len(kernels) == 3, kernels
+  local_q = f"bf16[{batch // 4},{seq},{heads // 2},{head_dim}]"
+  local_kv = f"bf16[{batch // 4},{seq},{kv_heads // 2},{head_dim}]"
+  # Each kernel's results (the text before its operands) have the local shapes.
+  results = [line.split(" custom-call(")[0] for line in kernels]
+  assert sum(local_q in r for r in results) == 2, results  # the forward's output, and dq
+  assert sum(local_kv in r for r in results) == 1, results  # dk and dv
+  assert not any(f"[{batch}," in r for r in results), results  # no global batch
