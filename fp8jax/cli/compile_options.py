@@ -1,6 +1,8 @@
 """The options that say how `fp8jax inspect` and `fp8jax cost` compile: flags and target."""
 from __future__ import annotations
 
+from fp8jax.cli.errors import CommandError
+
 
 def add_compile_options(parser) -> None:
   """--xla-defaults and --target."""
@@ -12,7 +14,7 @@ def add_compile_options(parser) -> None:
 
 
 def check_target(target: str) -> None:
-  """Exits with one line when the compile target cannot be used here."""
+  """Raises `CommandError` when the compile target cannot be used here."""
   import jax
 
   from fp8jax import deviceless
@@ -22,10 +24,10 @@ def check_target(target: str) -> None:
   except RuntimeError:
     has_gpu = False
   if target == "device" and not has_gpu:
-    raise SystemExit(f"--target device needs a JAX GPU backend, but the default backend is "
-                     f"{jax.default_backend()!r}; use --target deviceless (or auto) to compile "
-                     "for an H100 without a GPU.")
+    raise CommandError(f"--target device needs a JAX GPU backend, but the default backend is "
+                       f"{jax.default_backend()!r}; use --target deviceless (or auto) to compile "
+                       "for an H100 without a GPU.")
   if target == "deviceless" or (target == "auto" and not has_gpu):
     missing = deviceless.deviceless_toolchain_missing()
     if missing:
-      raise SystemExit(f"cannot compile for an H100 without a GPU: {missing}")
+      raise CommandError(f"cannot compile for an H100 without a GPU: {missing}")

@@ -5,6 +5,7 @@ import dataclasses
 import os
 
 from fp8jax.cli.compile_options import add_compile_options, check_target
+from fp8jax.cli.errors import CommandError, report_user_errors
 from fp8jax.cli.factory import factory_label, load_factory
 
 # `fp8jax cost --recipe NAME`: the public recipe each name builds.
@@ -48,6 +49,11 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
+  return report_user_errors(lambda: _predict(args))
+
+
+def _predict(args) -> int:
+  """Compiles the programs, prints their predicted times (and writes --json); the status."""
   # By name: the package's `cost` is the function, which hides the module.
   from fp8jax.lowering.cost import compare, cost, to_json
 
@@ -55,7 +61,7 @@ def run(args) -> int:
   if args.json:
     folder = os.path.dirname(os.path.abspath(args.json))
     if not os.path.isdir(folder):
-      raise SystemExit(f"--json {args.json!r}: the folder {folder!r} does not exist.")
+      raise CommandError(f"--json {args.json!r}: the folder {folder!r} does not exist.")
   programs = _cost_programs(args)
   check_target(args.target)
   options = {} if args.xla_defaults else None  # None: every GEMM on cuBLAS
@@ -84,11 +90,11 @@ def _cost_programs(args) -> list[tuple[str, object, tuple]]:
                                             ("--fsdp", True if args.fsdp else None))
                    if value is not None]
   if args.fsdp and not args.mesh:
-    raise SystemExit("--fsdp needs --mesh (e.g. --mesh data=8 --fsdp).")
+    raise CommandError("--fsdp needs --mesh (e.g. --mesh data=8 --fsdp).")
   if args.factory:
     if example_flags:
-      raise SystemExit(f"{example_flags[0]} applies to the built-in example, not to "
-                       "--factory (set up your program in its factory).")
+      raise CommandError(f"{example_flags[0]} applies to the built-in example, not to "
+                         "--factory (set up your program in its factory).")
     programs = [(factory_label(args.factory), *load_factory(args.factory, "--factory"))]
     if args.baseline:
       label = factory_label(args.baseline)
@@ -98,8 +104,8 @@ def _cost_programs(args) -> list[tuple[str, object, tuple]]:
       programs.append((label, *load_factory(args.baseline, "--baseline")))
     return programs
   if args.baseline:
-    raise SystemExit("--baseline needs --factory: the built-in example brings its own bf16 "
-                     "baseline.")
+    raise CommandError("--baseline needs --factory: the built-in example brings its own bf16 "
+                       "baseline.")
   import fp8jax
   from fp8jax import lowering
 
@@ -111,7 +117,7 @@ def _cost_programs(args) -> list[tuple[str, object, tuple]]:
     fp8 = lowering.example_train_step(recipe=getattr(fp8jax, _RECIPES[recipe_name])(), **sizes)
     bf16 = lowering.example_train_step(precision="bf16", **sizes)
   except ValueError as e:  # --widths, --batch or --seq out of range
-    raise SystemExit(f"the built-in example: {e}") from None
+    raise CommandError(f"the built-in example: {e}") from None
   if args.mesh:
     mesh = _parse_mesh(args.mesh)
     fp8 = (fp8[0], lowering.example.on_mesh(fp8[1], mesh, fsdp=args.fsdp))
@@ -127,26 +133,26 @@ def _parse_mesh(text: str):
   for item in text.split(","):
     name, sep, size = item.partition("=")
     if not sep or not name.strip().isidentifier() or not size.strip().isdigit():
-      raise SystemExit(f"--mesh {text!r}: expected AXIS=N pairs separated by commas, e.g. "
-                       "data=8 or data=4,model=2.")
+      raise CommandError(f"--mesh {text!r}: expected AXIS=N pairs separated by commas, e.g. "
+                         "data=8 or data=4,model=2.")
     axes[name.strip()] = int(size)
   total = 1
   for size in axes.values():
     total *= size
   if not 1 <= total <= 8:
-    raise SystemExit(f"--mesh {text!r}: {total} devices; one H100 host has 1 to 8 GPUs.")
+    raise CommandError(f"--mesh {text!r}: {total} devices; one H100 host has 1 to 8 GPUs.")
   try:
     return deviceless.h100_mesh(**axes)
   except (ValueError, RuntimeError) as e:
-    raise SystemExit(f"--mesh {text!r}: {e}") from None
+    raise CommandError(f"--mesh {text!r}: {e}") from None
 
 
 def _parse_widths(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(part) for part in text.split(","))
   except ValueError:
-    raise SystemExit(f"--widths {text!r}: expected comma-separated integers, e.g. "
-                     "512,1024,512.") from None
+    raise CommandError(f"--widths {text!r}: expected comma-separated integers, e.g. "
+                       "512,1024,512.") from None
 
 
 def _parse_constants(items: list[str]):
@@ -159,14 +165,14 @@ def _parse_constants(items: list[str]):
     name, sep, value = item.partition("=")
     name = name.strip()
     if not sep or name not in names:
-      raise SystemExit(f"--constant {item!r}: expected NAME=VALUE with NAME one of "
-                       f"{', '.join(names)}.")
+      raise CommandError(f"--constant {item!r}: expected NAME=VALUE with NAME one of "
+                         f"{', '.join(names)}.")
     try:
       overrides[name] = float(value)
     except ValueError:
-      raise SystemExit(f"--constant {item!r}: {value!r} is not a number (e.g. "
-                       f"{name}={getattr(CostConstants, name):g}).") from None
+      raise CommandError(f"--constant {item!r}: {value!r} is not a number (e.g. "
+                         f"{name}={getattr(CostConstants, name):g}).") from None
   try:
     return CostConstants(**overrides)
   except ValueError as e:
-    raise SystemExit(f"--constant: {e}") from None
+    raise CommandError(f"--constant: {e}") from None

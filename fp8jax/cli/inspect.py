@@ -6,6 +6,7 @@ import os
 import sys
 
 from fp8jax.cli.compile_options import add_compile_options
+from fp8jax.cli.errors import CommandError, report_user_errors
 from fp8jax.cli.factory import load_factory
 
 
@@ -27,12 +28,17 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
+  return report_user_errors(lambda: _inspect(args))
+
+
+def _inspect(args) -> int:
+  """Prints what every GEMM lowers to; status 1 with --strict unless all run in FP8."""
   from fp8jax import lowering
 
   if args.hlo:
     if not os.path.isfile(args.hlo):
-      raise SystemExit(f"--hlo {args.hlo!r}: no such file; pass an optimized HLO text file "
-                       "(XLA_FLAGS=--xla_dump_to=DIR writes *after_optimizations.txt).")
+      raise CommandError(f"--hlo {args.hlo!r}: no such file; pass an optimized HLO text file "
+                         "(XLA_FLAGS=--xla_dump_to=DIR writes *after_optimizations.txt).")
     with open(args.hlo) as f:
       hlo = f.read()
     ptx = []

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from fp8jax.cli.errors import report_user_errors
+
 # option -> (RunConfig field, type, help)
 OPTIONS = {
     "--size": ("size", str, "model size: tiny (CPU default), small, 125m, 350m, 1b"),
@@ -50,18 +52,10 @@ def run_guarded(work, resume_hint: str) -> int:
 
   `resume_hint` is the command that continues after Ctrl-C.
   """
-  from fp8jax.data.corpus import CorpusError
-  from fp8jax.runs import RunError, RunInterrupted
+  from fp8jax.runs import RunInterrupted
 
   try:
-    return work()
-  except (RunError, CorpusError) as error:
-    print(f"fp8jax: {error}", file=sys.stderr)
-    return 2
-  except OSError as error:  # e.g. --out not writable, a disk full
-    where = f" {error.filename}" if error.filename else ""
-    print(f"fp8jax: cannot use{where}: {error.strerror or error}", file=sys.stderr)
-    return 2
+    return report_user_errors(work)
   except RunInterrupted as stop:
     where = f"{stop.checkpoint}" if stop.checkpoint else "none yet"
     print(f"\nfp8jax: interrupted after step {stop.step}; the newest complete checkpoint "

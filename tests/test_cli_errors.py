@@ -1,0 +1,58 @@
+"""Every subcommand fails the same way on bad input: one `fp8jax: ...` line, train's status.
+
+The bad inputs are refused while the arguments are checked, before anything compiles
+or trains, so these tests take seconds.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fp8jax.cli import main
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train_error_status(tmp_path, capsys) -> int:
+  """The status `fp8jax train` exits with on a user error (checked to be one too)."""
+  status = main(["train", "--out", str(tmp_path / "run"), "--steps", "0"])
+  err = capsys.readouterr().err
+  assert err.startswith("fp8jax: ") and "--steps 0" in err, err
+  return status
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["cost", "--mesh", "data8"], "--mesh 'data8': expected AXIS=N pairs"),
+    (["cost", "--factory", "no_colon"], "--factory 'no_colon': expected MODULE:FUNCTION"),
+    (["cost", "--factory", "fp8jax_no_such_module:make"],
+     "cannot import 'fp8jax_no_such_module'"),
+    (["cost", "--factory", "fp8jax.formats:no_such_function"],
+     "has no function 'no_such_function'"),
+    (["inspect", "--factory", "fp8jax_no_such_module:make"],
+     "cannot import 'fp8jax_no_such_module'"),
+    (["inspect", "--factory", "no_colon"], "--factory 'no_colon': expected MODULE:FUNCTION"),
+    (["inspect", "--hlo", "/no/such/module.txt"], "--hlo '/no/such/module.txt': no such file"),
+])
+def test_cost_and_inspect_errors_are_one_fp8jax_line_with_trains_exit_status(
+    argv, message, tmp_path, capsys):
+  train_status = _train_error_status(tmp_path, capsys)
+  status = main(argv)
+  err = capsys.readouterr().err
+  assert status == train_status, err
+  assert err.startswith("fp8jax: ") and len(err.splitlines()) == 1 and message in err, err
+  assert "Traceback" not in err
+
+
+def test_the_installed_command_exits_with_the_error_status_not_an_exception(tmp_path, capsys):
+  # Through the process boundary: `sys.exit(main())` must turn the error into the status.
+  train_status = _train_error_status(tmp_path, capsys)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, env.get("PYTHONPATH")]))
+  result = subprocess.run([sys.executable, "-m", "fp8jax.cli", "inspect", "--hlo",
+                           "/no/such/module.txt"], env=env, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == train_status, result.stderr
+  assert result.stderr.startswith("fp8jax: --hlo '/no/such/module.txt'"), result.stderr
