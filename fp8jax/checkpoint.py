@@ -43,12 +43,21 @@ orbax finds missing, cut short or corrupt, but cannot check their values; it
 warns once per checkpoint (`UnverifiedCheckpointWarning`). Save such a
 checkpoint again to get one that is verified.
 
-Completeness: orbax writes into `<path>.orbax-checkpoint-tmp*`, writes a
-`commit_success.txt` marker and only then renames the directory to `<path>`. A
-process killed while saving leaves the temporary directory and no `<path>`;
+Completeness: each save writes into a directory of its own next to `<path>`,
+`<path>.fp8jax-save-tmp-<token>` (through orbax, which writes into
+`<that>.orbax-checkpoint-tmp`, adds a `commit_success.txt` marker and renames
+it), and only then renames it to `<path>`. A process killed while saving leaves
+one of these temporary directories and no `<path>`;
 `restore` refuses temporary directories and directories without the marker or
 a part. `restore` returns new trees and never modifies its targets, so a failed
 restore leaves nothing half-loaded.
+
+Concurrent saves: saves to one `<path>` at the same time (threads or processes)
+each write their own temporary directory (threads of one process one after the
+other: orbax's save is not thread-safe); the rename is the claim, and renaming
+a directory onto one that exists fails, so exactly one save wins. The others
+delete what they wrote and raise `CheckpointExists`; the winner's checkpoint is
+complete and restores bit for bit.
 """
 from __future__ import annotations
 
@@ -58,6 +67,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import threading
 import warnings
 import zlib
 from typing import Any
@@ -75,6 +86,10 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 FIRST_CHECKSUMMED_VERSION = 3
 TMP_MARKER = ".orbax-checkpoint-tmp"
+# In the name of the directory one save writes before renaming it into place. Not
+# TMP_MARKER: orbax takes the text before its first TMP_MARKER as the final name.
+STAGING_MARKER = ".fp8jax-save-tmp"
+_UNFINISHED_MARKERS = (TMP_MARKER, STAGING_MARKER)
 COMMIT_MARKER = "commit_success.txt"
 ITEMS = ("params", "opt_state", "fp8_state")
 _FORMATS = {fmt.name: fmt for fmt in (E4M3, E5M2)}
@@ -89,6 +104,14 @@ _DAMAGED = ("The checkpoint is damaged or incomplete: restore an earlier checkpo
 
 class CheckpointCorrupted(ValueError):
   """A checkpoint whose files are missing, cut short or damaged; nothing was restored."""
+
+
+class CheckpointExists(FileExistsError):
+  """A save to a directory that holds a checkpoint, or that another save took first.
+
+  Nothing of this save is left on disk; the checkpoint already at the directory is
+  intact.
+  """
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -201,25 +224,35 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state
          overwrite: bool = False, metadata: dict | None = None) -> pathlib.Path:
   """Writes params, optimizer state and FP8 state to `directory`, atomically.
 
+  The arrays are written to a temporary directory of this save's own, which is then
+  renamed to `directory`: a reader sees the whole checkpoint or none, and of several
+  saves to one directory at the same time exactly one wins (see `CheckpointExists`).
+
   Args:
     directory: the checkpoint directory to create (one per step, e.g. `ckpt/step_100`).
     params, opt_state, fp8_state: pytrees of arrays (sharded arrays too); use
       `{}` for an item you do not have.
-    overwrite: replace an existing checkpoint at `directory` (the old one is
-      deleted before the new one is complete; prefer a new directory per step).
+    overwrite: replace an existing checkpoint at `directory` (it is replaced once
+      the new one is complete; prefer a new directory per step).
     metadata: JSON-able facts saved with the arrays, atomically (e.g. the step and
       the data position of a training run); `read_description(...)["metadata"]`.
 
   Returns:
     The absolute path of the checkpoint.
+
+  Raises:
+    CheckpointExists (a `FileExistsError`): `directory` exists and `overwrite` is
+      False, or another save wrote a checkpoint there while this one was writing.
+      This save's files are deleted; the other checkpoint is kept.
   """
   ocp = _orbax()
   path = pathlib.Path(directory).absolute()
-  if TMP_MARKER in path.name:
-    raise ValueError(f"directory={str(directory)!r}: names ending in {TMP_MARKER!r} are "
-                     "reserved for unfinished saves; choose another name.")
+  if _is_unfinished_name(path.name):
+    raise ValueError(f"directory={str(directory)!r}: names containing {TMP_MARKER!r} or "
+                     f"{STAGING_MARKER!r} are reserved for unfinished saves; choose another "
+                     "name.")
   if path.exists() and not overwrite:
-    raise FileExistsError(
+    raise CheckpointExists(
         f"directory={str(directory)!r} already exists; pass overwrite=True to replace it "
         "or save each step to its own directory.")
   if metadata is not None:
@@ -229,11 +262,103 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state
       raise TypeError(f"metadata must be JSON-serializable: {error}") from None
   description = describe(params, opt_state, fp8_state, metadata)
   tree = {"params": params, "opt_state": opt_state, "fp8_state": fp8_state}
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  checkpointer.save(path, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(tree), description=ocp.args.JsonSave(description)),
-      force=overwrite)
+  staged = _staging_path(path)
+  try:
+    with _ORBAX_SAVE_LOCK:
+      checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+      checkpointer.save(staged, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(tree), description=ocp.args.JsonSave(description)))
+    claimed = _claim_on_every_process(staged, path, overwrite)
+  except BaseException:
+    if jax.process_index() == 0:  # it alone renames and deletes in a multi-process save
+      _remove_staged(staged)
+    raise
+  if not claimed:
+    again = "" if overwrite else ", or save again with overwrite=True to replace it"
+    raise CheckpointExists(
+        f"directory={str(directory)!r}: another save wrote a checkpoint there while this "
+        "one was writing; that checkpoint is kept and this save's files were deleted. "
+        f"Let one writer save to each directory (e.g. a directory per step){again}.")
   return path
+
+
+# orbax's save keeps process-wide state (the id of the current save operation, which
+# its background writers signal under): two saves at once in one process break each
+# other's files even in different directories. So within a process saves write one at
+# a time; across processes their own directories and the claiming rename suffice.
+_ORBAX_SAVE_LOCK = threading.Lock()
+
+
+def _staging_path(path: pathlib.Path) -> pathlib.Path:
+  """`<path>.fp8jax-save-tmp-<token>`: where one save writes before its rename.
+
+  The random token keeps concurrent saves to one `path` out of each other's files; in
+  a multi-process save process 0 draws it and every process writes to the same place.
+  """
+  token = np.frombuffer(os.urandom(8), np.uint32)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # a collective: every process calls save
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token))
+  hex_token = token.astype(np.uint32).tobytes().hex()
+  return path.with_name(f"{path.name}{STAGING_MARKER}-{hex_token}")
+
+
+# rename(2) of a directory onto a non-empty one: Linux says ENOTEMPTY, POSIX allows EEXIST.
+_TAKEN_ERRNOS = (errno.EEXIST, errno.ENOTEMPTY)
+
+
+def _claim_on_every_process(staged: pathlib.Path, path: pathlib.Path, overwrite: bool) -> bool:
+  """Renames the finished save to `path` (on process 0); whether this save won it.
+
+  Every process learns the outcome from process 0, so that all of them return or
+  raise alike, and none returns before the checkpoint is in place.
+  """
+  claimed = _claim(staged, path, overwrite) if jax.process_index() == 0 else False
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    claimed = bool(multihost_utils.broadcast_one_to_all(np.int32(claimed)))
+  return claimed
+
+
+def _claim(staged: pathlib.Path, path: pathlib.Path, overwrite: bool) -> bool:
+  """Renames `staged` to `path`; False (and `staged` deleted) if another save holds `path`.
+
+  With `overwrite`, the checkpoint at `path` is first renamed aside and deleted once
+  `staged` took its place. Renaming a directory onto an existing non-empty one fails
+  atomically, so of several saves racing here exactly one rename succeeds.
+  """
+  displaced = None
+  if overwrite:
+    displaced = path.with_name(staged.name + "-replaced")
+    try:
+      os.rename(path, displaced)
+    except FileNotFoundError:  # nothing to replace (or another save moved it first)
+      displaced = None
+  try:
+    os.rename(staged, path)
+  except OSError as error:
+    if error.errno not in _TAKEN_ERRNOS:
+      if displaced is not None:
+        os.rename(displaced, path)  # put the old checkpoint back before reporting
+      raise
+    _remove_staged(staged)
+    claimed = False
+  else:
+    claimed = True
+  if displaced is not None:
+    shutil.rmtree(displaced, ignore_errors=True)
+  return claimed
+
+
+def _remove_staged(staged: pathlib.Path) -> None:
+  """Deletes a save's temporary directory and the one orbax writes before renaming it."""
+  for leftover in (staged, staged.with_name(staged.name + TMP_MARKER)):
+    shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _is_unfinished_name(name: str) -> bool:
+  """Whether `name` is that of a save's temporary directory (orbax's or fp8jax's)."""
+  return any(marker in name for marker in _UNFINISHED_MARKERS)
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
@@ -255,13 +380,14 @@ def check_complete(directory: str | os.PathLike) -> pathlib.Path:
       directory missing the commit marker or one of its parts.
   """
   path = pathlib.Path(directory).absolute()
-  if TMP_MARKER in path.name:
+  if _is_unfinished_name(path.name):
     raise CheckpointCorrupted(
         f"directory={str(directory)!r} is the temporary directory of a save that did not "
         "finish (its process was interrupted); it is incomplete and cannot be restored. "
         + _DAMAGED)
   if not path.is_dir():
-    leftovers = sorted(p.name for p in path.parent.glob(path.name + TMP_MARKER + "*"))
+    leftovers = sorted(p.name for marker in _UNFINISHED_MARKERS
+                       for p in path.parent.glob(path.name + marker + "*"))
     hint = (f" Found {leftovers}: a save to it was interrupted before it finished, so no "
             "complete checkpoint of that name exists." if leftovers else "")
     raise FileNotFoundError(f"No checkpoint at directory={str(directory)!r}.{hint}")
