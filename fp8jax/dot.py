@@ -46,15 +46,16 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import weight_reuse
-from fp8jax.amax import amax, amax_max
+from fp8jax.amax import amax, amax_max, unbatched_like
 from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
-from fp8jax.kernel_partitioning import shard_local_gemm
+from fp8jax.kernel_partitioning import shard_local_gemm, vmapped_as
 from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.quantize import quantize
 from fp8jax.fine_grained_dot import fine_grained_dot_general
 from fp8jax.recipes import CurrentScaling, is_fine_grained
-from fp8jax.scaling import quantize_with_meta, record_amax, scale_for, scale_from_amax
+from fp8jax.scaling import (amaxes_unbatched_like, quantize_with_meta, record_amax, scale_for,
+                            scale_from_amax)
 from fp8jax.sharding import global_amax, match_operand_axes, varying_axes
 from fp8jax.validation import check_floating
 
@@ -117,7 +118,7 @@ def _reused_kernel(kernel, meta, layout):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fp8_dot(x, kernel, meta, reused, dims, kernel_dtype, layout):
   out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
-  return out, new_meta
+  return out, amaxes_unbatched_like(meta, new_meta)
 
 
 def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
@@ -142,7 +143,7 @@ def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
 
 def _fp8_dot_fwd(x, kernel, meta, reused, dims, kernel_dtype, layout):
   out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
-  return (out, new_meta), residuals
+  return (out, amaxes_unbatched_like(meta, new_meta)), residuals
 
 
 def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
@@ -152,7 +153,8 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
   if layout is not None:
     dx, dk, grad_cotangent = _matrix_bwd(layout, residuals, g, meta_cotangent.grad,
                                          kernel_dtype)
-    return (dx, dk, dataclasses.replace(meta_cotangent, grad=grad_cotangent),
+    return (dx, dk, amaxes_unbatched_like(
+        meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent)),
             reused_cotangent)
 
   qx, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
@@ -180,7 +182,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
 
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, g_amax))
-  return dx, dk, meta_in_cotangent, reused_cotangent
+  return dx, dk, amaxes_unbatched_like(meta_cotangent, meta_in_cotangent), reused_cotangent
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -248,7 +250,8 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
   """
   if isinstance(meta.recipe, CurrentScaling):
     t_amax = tensor_amax(t)
-    scale = scale_from_amax(global_amax(t_amax, like), meta.fmt, meta.recipe.margin,
+    whole_amax = global_amax(unbatched_like(meta.amax, t_amax), like)  # over vmap, mesh
+    scale = scale_from_amax(whole_amax, meta.fmt, meta.recipe.margin,
                             fallback=meta.scale, power_of_two=meta.recipe.power_of_two)
     scale_inv = 1.0 / scale
     running = amax_max(meta.amax, t_amax)
@@ -341,7 +344,8 @@ def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype
 
   if out_dtype not in _FUSED_OUTPUT_DTYPES:
     return float32_product(qa, qb, descale)
-  return jax.lax.platform_dependent(qa, qb, descale, cuda=shard_local_gemm(cublaslt_fp8),
+  per_shard = vmapped_as(shard_local_gemm(cublaslt_fp8), cublaslt_fp8)
+  return jax.lax.platform_dependent(qa, qb, descale, cuda=per_shard,
                                     default=float32_product)
 
 

@@ -53,7 +53,7 @@ from fp8jax.block_quantize import (BlockQuantized, dequantize_blocks, quantize_b
                                    quantize_mx, quantize_rows)
 from fp8jax.meta import DotMeta
 from fp8jax.recipes import BlockScaling, MXFP8Scaling, RowwiseScaling
-from fp8jax.scaling import record_amax
+from fp8jax.scaling import amaxes_unbatched_like, record_amax
 
 
 def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
@@ -177,7 +177,7 @@ def _high_precision_dot(a: jax.Array, b: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fine_grained_matmul(x, kernel, meta, kernel_dtype):
   out, new_meta, _ = _forward(x, kernel, meta)
-  return out, new_meta
+  return out, amaxes_unbatched_like(meta, new_meta)
 
 
 def _forward(x, kernel, meta):
@@ -207,7 +207,7 @@ def _forward(x, kernel, meta):
 
 def _fine_grained_fwd(x, kernel, meta, kernel_dtype):
   out, new_meta, residuals = _forward(x, kernel, meta)
-  return (out, new_meta), residuals
+  return (out, amaxes_unbatched_like(meta, new_meta)), residuals
 
 
 def _fine_grained_bwd(kernel_dtype, residuals, cotangents):
@@ -227,7 +227,8 @@ def _fine_grained_bwd(kernel_dtype, residuals, cotangents):
       g_wgrad = quantize_operand(g, recipe, fmt, axis=-2, weight=False)
       dk = fp8_gemm(x_wgrad.transpose(), g_wgrad, recipe, kernel_dtype)
   grad_cotangent = record_amax(meta_cotangent.grad, amax(g))
-  return dx, dk, dataclasses.replace(meta_cotangent, grad=grad_cotangent)
+  return dx, dk, amaxes_unbatched_like(
+      meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent))
 
 
 _fine_grained_matmul.defvjp(_fine_grained_fwd, _fine_grained_bwd)

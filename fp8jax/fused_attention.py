@@ -48,9 +48,10 @@ from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
 from fp8jax.amax import amax
 from fp8jax.attention_partitioning import shard_local_attention
 from fp8jax.fused_kernels import inside_shard_map
+from fp8jax.kernel_partitioning import vmapped_as
 from fp8jax.scaling import quantize_with_meta
 from fp8jax.recipes import Recipe, check_recipe
-from fp8jax.scaling import record_amax
+from fp8jax.scaling import amaxes_unbatched_like, record_amax
 from fp8jax.validation import check_floating
 import pallas_kernels
 
@@ -254,7 +255,7 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fp8_attention(q, k, v, meta, q_seg, kv_seg, call):
   out, new_meta, _ = _fp8_forward(q, k, v, meta, q_seg, kv_seg, call)
-  return out, new_meta
+  return out, amaxes_unbatched_like(meta, new_meta)
 
 
 def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
@@ -335,7 +336,8 @@ def _per_shard(kernel, operands, outputs):
   as it is inside `shard_map`, whose code is per device already."""
   if inside_shard_map():
     return kernel
-  return shard_local_attention(kernel, operands, outputs)
+  # Under jax.vmap the kernel runs unpartitioned (Pallas batches it).
+  return vmapped_as(shard_local_attention(kernel, operands, outputs), kernel)
 
 
 def _dequantized(tensors8, descales, dtype):
@@ -344,7 +346,7 @@ def _dequantized(tensors8, descales, dtype):
 
 def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
   out, new_meta, residuals = _fp8_forward(q, k, v, meta, q_seg, kv_seg, call)
-  return (out, new_meta), residuals
+  return (out, amaxes_unbatched_like(meta, new_meta)), residuals
 
 
 def _fp8_attention_bwd(call, residuals, cotangents):
@@ -359,8 +361,8 @@ def _fp8_attention_bwd(call, residuals, cotangents):
   else:
     dq, dk, dv = _fused_fp8_backward(call.backend, q8, k8, v8, descales, out, lse, g, q_seg,
                                      kv_seg, call)
-  meta_in_cotangent = dataclasses.replace(
-      meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g)))
+  meta_in_cotangent = amaxes_unbatched_like(meta_cotangent, dataclasses.replace(
+      meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g))))
   # q, k, v share a dtype, and the output (hence g) has it too.
   return (dq.astype(g.dtype), dk.astype(g.dtype), dv.astype(g.dtype),
           meta_in_cotangent, None, None)

@@ -42,7 +42,7 @@ import pallas_kernels
 from fp8jax.formats import Fp8Format
 from fp8jax.amax import amax, amax_max
 from fp8jax.quantize import quantize
-from fp8jax.kernel_partitioning import shard_local, shard_local_weight_cast
+from fp8jax.kernel_partitioning import shard_local, shard_local_weight_cast, vmapped_as
 from fp8jax.sharding import varying_axes
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -84,10 +84,12 @@ def inside_shard_map() -> bool:
 
 def choose(args, kernel, reference):
   """`kernel(*args)` where the program is lowered for a GPU and kernels are allowed, else
-  `reference(*args)`."""
+  `reference(*args)`. Under `jax.vmap` the reference runs: a kernel partitioned
+  for a mesh (`jax.experimental.custom_partitioning`) has no batching rule."""
   if not kernels_allowed(args):
     return reference(*args)
-  return jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
+  return jax.lax.platform_dependent(*args, cuda=vmapped_as(kernel, reference),
+                                    default=reference)
 
 
 def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,

@@ -17,6 +17,10 @@ in `jax.experimental.custom_partitioning` with the rule these kernels obey:
 An axis of `t` whose size the mesh does not divide is gathered first (XLA would
 pad the shard, and the padding would enter the amax). A tensor that is
 replicated runs as is on every device, as the unpartitioned kernel would.
+
+`custom_partitioning` has no batching rule: `vmapped_as` gives a partitioned
+kernel one, running another function (the unpartitioned kernel, or its jnp
+reference) under `jax.vmap`.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import functools
 from typing import Callable, Sequence
 
 import jax
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -75,6 +80,20 @@ def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
     return partitioned_for(len(scalars))(t, *scalars)
 
   return call
+
+
+def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
+  """`kernel`, except under `jax.vmap`, where `batched` (same arguments and results) is
+  vmapped instead. Arguments may be pytrees (None too); every result comes out batched."""
+  vmappable = custom_vmap(kernel)
+
+  @vmappable.def_vmap
+  def rule(axis_size, in_batched, *args):
+    in_axes = jax.tree.map(lambda is_batched: 0 if is_batched else None, in_batched)
+    out = jax.vmap(batched, in_axes=tuple(in_axes), axis_size=axis_size)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return vmappable
 
 
 def _sharding_rule(n_scalars: int, outputs) -> str:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from fp8jax import fused_kernels
 from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta, map_metas
-from fp8jax.amax import amax, amax_max
+from fp8jax.amax import amax, amax_max, unbatched_like
 from fp8jax.block_quantize import round_down_to_power_of_two
 from fp8jax.quantize import quantize
 from fp8jax.recipes import CurrentScaling, is_fine_grained
@@ -72,6 +72,17 @@ def _scale_from_amax(amax, numerator, fallback):
 def record_amax(meta: Fp8Meta, amax: jax.Array) -> Fp8Meta:
   """Takes the max of the step's running amax and `amax` (NaN propagates until end_step)."""
   return dataclasses.replace(meta, amax=amax_max(meta.amax, amax))
+
+
+def amaxes_unbatched_like(reference_state, recorded_state):
+  """`recorded_state` with each role's amax made `fp8jax.amax.unbatched_like` the same
+  role's amax in `reference_state`: what an FP8 op returns as its state (and its
+  state's cotangent), so that under `jax.vmap` over examples one FP8 state records
+  the amax of the whole batch (not their sum, not a batched state)."""
+  return map_metas(
+      lambda reference, recorded: dataclasses.replace(
+          recorded, amax=unbatched_like(reference.amax, recorded.amax)),
+      reference_state, recorded_state)
 
 
 def begin_step(fp8_state):
@@ -245,11 +256,13 @@ def scale_for(meta: Fp8Meta, x_amax: jax.Array, like: jax.Array | None = None) -
   """The float32[] scale to quantize a tensor of amax `x_amax` with under `meta`.
 
   `like` is the tensor itself: under `shard_map`, current scaling takes the max
-  of `x_amax` over the devices holding the other shards of that tensor. The
+  of `x_amax` over the devices holding the other shards of that tensor; under
+  `jax.vmap` with one state, the max over the batch (`fp8jax.amax.unbatched_like`). The
   per-row / per-block recipes scale per tensor, from its own amax, where one
   scale per tensor is all an op takes (the fused attention kernels).
   """
   if isinstance(meta.recipe, CurrentScaling) or is_fine_grained(meta.recipe):
+    x_amax = unbatched_like(meta.amax, x_amax)  # under vmap: the whole batch's amax
     if like is not None:
       x_amax = global_amax(x_amax, like)
     return scale_from_amax(x_amax, meta.fmt, getattr(meta.recipe, "margin", 0),

@@ -194,6 +194,7 @@ def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
           f"has_aux=True, so loss_fn must return ((loss, aux), new_fp8_state); its first "
           f"element is a {type(value).__name__}.")
     _check_same_structure(s, new_state)
+    _check_same_shapes(s, new_state)
     loss = value[0] if has_aux else value
     return loss, (value, new_state)
 
@@ -201,6 +202,30 @@ def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
     (_, (value, forward_state)), (grads, state_cotangent) = jax.value_and_grad(
         split_loss, argnums=(0, 1), has_aux=True)(params, state)
   return value, grads, (forward_state, state_cotangent)
+
+
+def _check_same_shapes(given, returned) -> None:
+  """The returned state's arrays must have the given state's shapes; a common extra
+  leading axis means it came back batched (`jax.vmap` with its default out_axes=0)."""
+  pairs = [(path, jnp.shape(a), jnp.shape(b)) for (path, a), b in
+           zip(jax.tree_util.tree_leaves_with_path(given), jax.tree.leaves(returned))]
+  wrong = [(path, a, b) for path, a, b in pairs if a != b]
+  if not wrong:
+    return
+  path, want, got = wrong[0]
+  where = jax.tree_util.keystr(path)
+  if all(b[1:] == a and b[:1] == wrong[0][2][:1] for _, a, b in wrong):
+    raise ValueError(
+        f"loss_fn returned a new_fp8_state with an extra leading axis of size {got[0]} "
+        f"(fp8_state{where}: given {want}, returned {got}): the state came back batched, "
+        "e.g. from jax.vmap, whose default out_axes=0 gives every output a batch axis. "
+        "Return it unbatched: jax.vmap(fn, ..., out_axes=(0, None)) for fn returning "
+        "(per_example_loss, fp8_state). One FP8 state under vmap records the amax of the "
+        "whole batch, as the unvmapped batch would.")
+  raise ValueError(
+      f"loss_fn returned a new_fp8_state whose arrays differ in shape from the fp8_state it "
+      f"was given: fp8_state{where} was {want}, came back {got}. Return the state that came "
+      "out of the FP8 ops.")
 
 
 def _check_same_structure(given, returned) -> None:
