@@ -26,6 +26,7 @@ from fp8jax.dot import fp8_dot_general
 from fp8jax.dense import fp8_dense
 from fp8jax.einsum import fp8_einsum
 from fp8jax.training import accumulate_gradients, value_and_grad
+from fp8jax.meta_threading import UnthreadedStateError
 from fp8jax.state_gradients import Fp8StateGradientError, differentiating_fp8_state
 from fp8jax.forward_mode import ForwardModeError
 from fp8jax.fused_attention import AttentionMeta, attention, fp8_attention, init_attention_meta
@@ -40,7 +41,7 @@ __all__ = [
     "amax", "dequantize", "quantize",
     "begin_step", "close_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",
-    "accumulate_gradients", "value_and_grad",
+    "accumulate_gradients", "value_and_grad", "UnthreadedStateError",
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",

@@ -51,6 +51,7 @@ from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
 from fp8jax.kernel_partitioning import shard_local_gemm, vmapped_as
 from fp8jax.meta import DotMeta, check_dot_meta
+from fp8jax.meta_threading import check_threaded
 from fp8jax.quantize import quantize
 from fp8jax.fine_grained_dot import fine_grained_dot_general
 from fp8jax.recipes import CurrentScaling, is_fine_grained
@@ -80,6 +81,7 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   check_floating(x, "x")
   check_floating(kernel, "kernel")
   check_dot_meta(meta, "meta")
+  check_threaded(meta, "fp8_dot_general")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
   fine_grained = is_fine_grained(meta.recipe)
   layout = matrix_layout(dims, x.shape, kernel.shape)

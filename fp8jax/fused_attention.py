@@ -45,6 +45,7 @@ from fp8jax.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, 
                                       select_backend)
 from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
+from fp8jax.meta_threading import check_threaded
 from fp8jax.amax import amax
 from fp8jax.attention_partitioning import shard_local_attention
 from fp8jax.fused_kernels import inside_shard_map
@@ -244,6 +245,7 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
                     f"fp8jax.init_attention_meta(recipe)), got {type(meta).__name__}.")
   for role in _FORWARD_ROLES + ("grad",):
     check_role_meta(getattr(meta, role), f"meta.{role}")
+  check_threaded(meta, "fp8_attention")
   choice = choose_backend(q, k, fp8=True, causal=causal,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
                           backend=backend)

@@ -29,12 +29,13 @@ import jax.numpy as jnp
 from fp8jax import weight_reuse
 from fp8jax.meta import check_fp8_state, is_meta
 from fp8jax.scaling import begin_step, close_step, end_step, merge_step
+from fp8jax.meta_threading import checking_threading
 from fp8jax.state_gradients import differentiating_fp8_state
 from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
 
 
 def value_and_grad(loss_fn: Callable, has_aux: bool = False,
-                   axis_name: AxisName = None) -> Callable:
+                   axis_name: AxisName = None, report_overflow: bool = False) -> Callable:
   """Wraps `loss_fn` to return `(loss, param_grads, next_fp8_state)`.
 
   Args:
@@ -48,10 +49,17 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
       fp8jax reduces over every axis along which the state became device-varying.
       Gradients are not reduced: that stays the caller's choice (note that with
       `check_vma=True` JAX already sums the gradients of replicated parameters).
+    report_overflow: also return `overflow`, a bool[] that is True when any amax
+      this step recorded (a forward tensor's or an output gradient's) was inf or
+      NaN. FP8 casts saturate, so an overflowing gradient reaches `grads` finite
+      and `optax.apply_if_finite` or fp16 loss scaling cannot see it; skip the
+      update when `overflow` is set. The FP8 state needs no undoing: a
+      non-finite amax is recorded as 0 and keeps the scale (`fp8jax.end_step`).
 
   Returns:
     A function `(params, fp8_state, *args) -> (loss, grads, next_fp8_state)`,
-    or `((loss, aux), grads, next_fp8_state)` with `has_aux=True`. `grads` has
+    or `((loss, aux), grads, next_fp8_state)` with `has_aux=True`; with
+    `report_overflow=True`, `(..., next_fp8_state, overflow)`. `grads` has
     the structure of `params`; `next_fp8_state` that of `fp8_state`.
   """
   _check_loss_fn(loss_fn)
@@ -65,9 +73,19 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
     # amaxes; the step's update takes their max itself (no kernel per role).
     if axis_name is not None or varying_axes((forward, cotangent)):
       forward, cotangent = all_reduce_amax((forward, cotangent), axis_name)
+    if report_overflow:
+      return value, grads, close_step(forward, cotangent), _any_amax_not_finite(
+          (forward, cotangent))
     return value, grads, close_step(forward, cotangent)
 
   return wrapped
+
+
+def _any_amax_not_finite(states) -> jax.Array:
+  amaxes = [meta.amax for meta in jax.tree.leaves(states, is_leaf=is_meta) if is_meta(meta)]
+  if not amaxes:
+    return jnp.zeros((), jnp.bool_)
+  return jnp.any(jnp.stack([~jnp.all(jnp.isfinite(a)) for a in amaxes]))
 
 
 def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microbatches: Any,
@@ -177,11 +195,12 @@ def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
   """
 
   def split_loss(p, s):
-    if reuse is None:
-      returned = loss_fn(p, s, *args)
-    else:
-      with weight_reuse.replaying(reuse):  # at the level the loss's ops are traced
+    with checking_threading():  # one op per state: see fp8jax.meta_threading
+      if reuse is None:
         returned = loss_fn(p, s, *args)
+      else:
+        with weight_reuse.replaying(reuse):  # at the level the loss's ops are traced
+          returned = loss_fn(p, s, *args)
     if not isinstance(returned, tuple) or len(returned) != 2:
       raise TypeError(
           "loss_fn must return (loss, new_fp8_state)" + (

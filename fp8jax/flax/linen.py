@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -43,9 +44,25 @@ FP8_COLLECTION = "fp8_meta"
 default_kernel_init = nn.initializers.lecun_normal()
 
 
+def fp8_variable(module: nn.Module, name: str, init_fn: Callable, *init_args):
+  """`module.variable(FP8_COLLECTION, name, init_fn, *init_args)`, with fp8jax's error where
+  a lifted transform (`nn.scan`, `nn.vmap`, ...) does not carry the FP8 collection."""
+  try:
+    return module.variable(FP8_COLLECTION, name, init_fn, *init_args)
+  except flax.errors.ScopeCollectionNotFound:
+    path = "/".join(module.scope.path) or "(top)"
+    raise ValueError(
+        f"{module.__class__.__name__} at {path!r} keeps FP8 state in the "
+        f"'{FP8_COLLECTION}' collection, which a lifted transform around it does not carry: "
+        f"add '{FP8_COLLECTION}' to its variable_axes, e.g. nn.scan(..., variable_axes="
+        f"{{'params': 0, '{FP8_COLLECTION}': 0}}) or nn.vmap(..., variable_axes={{'params': "
+        f"0, '{FP8_COLLECTION}': 0}}) for one state per layer or instance, and pass "
+        f"'{FP8_COLLECTION}' as a mutable collection in training.") from None
+
+
 def dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta"):
   """The module's `DotMeta` variable; checks it follows the module's recipe."""
-  variable = module.variable(FP8_COLLECTION, name, init_dot_meta, recipe)
+  variable = fp8_variable(module, name, init_dot_meta, recipe)
   stored = variable.value.recipe
   if stored != recipe:
     raise ValueError(
@@ -254,7 +271,7 @@ class Fp8MultiHeadAttention(nn.Module):
     kwargs = dict(causal=self.causal, q_segment_ids=q_segment_ids,
                   kv_segment_ids=kv_segment_ids, backend=self.backend)
     if self.fp8_attention:
-      variable = self.variable(FP8_COLLECTION, "attention_meta", init_attention_meta, self.recipe)
+      variable = fp8_variable(self, "attention_meta", init_attention_meta, self.recipe)
       out, new_meta = fp8_attention(q, k, v, read_meta(self, variable), **kwargs)
       store_dot_meta(self, variable, new_meta)
     else:

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 from fp8jax.attention_backend import BACKENDS
 from fp8jax.einsum import fp8_einsum
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
-                               read_meta, store_dot_meta)
+                               fp8_variable, read_meta, store_dot_meta)
 from fp8jax.fused_attention import attention, choose_backend, fp8_attention, init_attention_meta
 from fp8jax.recipes import Recipe, check_recipe
 from fp8jax.telemetry import TELEMETRY_COLLECTION
@@ -282,7 +282,7 @@ class CausalSelfAttention(nn.Module):
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
     if recipe is not None and c.fp8_attention:
-      variable = self.variable(FP8_COLLECTION, "attention_meta", init_attention_meta, recipe)
+      variable = fp8_variable(self, "attention_meta", init_attention_meta, recipe)
       out, new_meta = fp8_attention(q, k, v, read_meta(self, variable), causal=True,
                                     backend=c.attention_backend)
       store_dot_meta(self, variable, new_meta)
