@@ -29,6 +29,17 @@ def test_readme_usage_example_runs_and_updates_fp8_state():
       assert float(role.amax_history[0]) > 0
 
 
+def test_readme_overflow_snippet_skips_nothing_on_a_finite_step():
+  text = README.read_text()
+  namespace = {}
+  exec(compile(re.search(r"```python\n(.*?)```", text, re.S).group(1), "README.md", "exec"),
+       namespace)
+  before = namespace["params"]
+  exec(compile(_python_block_after("## Usage", "**Overflow.**"), "README.md", "exec"), namespace)
+  assert not bool(namespace["overflow"])
+  assert not np.array_equal(np.asarray(namespace["params"]["w1"]), np.asarray(before["w1"]))
+
+
 def _python_block_after(heading: str, marker: str) -> str:
   text = README.read_text()
   section = text[text.index(heading):]
