@@ -16,7 +16,7 @@ train`, `compare`, `calibrate`).
 # Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
 from fp8jax import platform_guard  # noqa: F401
 from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
-from fp8jax.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
+from fp8jax.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Recipe,
                             RowwiseScaling)
 from fp8jax.meta import (DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas,
                          resize_history)
@@ -35,7 +35,8 @@ from fp8jax import attention_backend, deviceless, fused_kernels, lowering, telem
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
-    "CurrentScaling", "DelayedScaling", "RowwiseScaling", "BlockScaling", "MXFP8Scaling",
+    "Recipe", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "BlockScaling",
+    "MXFP8Scaling",
     "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta", "merge_stacked_metas",
     "resize_history",
     "amax", "dequantize", "quantize",

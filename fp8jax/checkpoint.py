@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import pathlib
@@ -136,23 +137,55 @@ _OPTIONAL_RECIPE_FIELDS = {"power_of_two": False, "high_precision": ()}
 
 
 def describe_recipe(recipe) -> dict:
-  """A JSON-able description of a recipe: its class name and fields (tuples as lists)."""
+  """A JSON-able description of a recipe: its class and fields (tuples as lists).
+
+  The class is named as fp8jax's recipes are ("DelayedScaling"), or, for a recipe
+  defined elsewhere, by its importable name "module:QualifiedName".
+  """
   fields = {}
   for name, value in dataclasses.asdict(recipe).items():
     if name in _OPTIONAL_RECIPE_FIELDS and value == _OPTIONAL_RECIPE_FIELDS[name]:
       continue
     fields[name] = list(value) if isinstance(value, tuple) else value
-  return {"kind": type(recipe).__name__, **fields}
+  return {"kind": recipe_kind(type(recipe)), **fields}
+
+
+def recipe_kind(cls: type) -> str:
+  """How a checkpoint names a recipe class: "DelayedScaling", or "module:QualifiedName"."""
+  if getattr(recipes_module, cls.__name__, None) is cls:
+    return cls.__name__
+  return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def recipe_from_description(description: dict):
   """The recipe object a `describe_recipe` dictionary describes."""
   fields = dict(description)
-  kind = fields.pop("kind", None)
-  cls = getattr(recipes_module, str(kind), None)
+  kind = str(fields.pop("kind", None))
+  cls = import_recipe_class(kind) if ":" in kind else getattr(recipes_module, kind, None)
   if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
     raise ValueError(f"checkpoint names an unknown FP8 recipe kind {kind!r}.")
   return cls(**fields)
+
+
+def import_recipe_class(name: str) -> type:
+  """The recipe class `name` ("module:QualifiedName") names, imported.
+
+  Raises:
+    ValueError: the module or class cannot be found, or it is not a recipe class.
+  """
+  module_name, _, qualname = name.partition(":")
+  try:
+    found = importlib.import_module(module_name)
+    for attribute in qualname.split("."):
+      found = getattr(found, attribute)
+  except (ImportError, AttributeError) as error:
+    raise ValueError(
+        f"the FP8 recipe {name!r} cannot be imported ({type(error).__name__}: {error}); "
+        "make its module importable (installed, or on sys.path / PYTHONPATH) and define "
+        "the class at module level.") from None
+  if not (isinstance(found, type) and issubclass(found, recipes_module.Recipe)):
+    raise ValueError(f"{name!r} is {found!r}, not a subclass of fp8jax.Recipe.")
+  return found
 
 
 def _array_spec(leaf) -> str:

@@ -54,7 +54,7 @@ from fp8jax.meta import DotMeta, check_dot_meta
 from fp8jax.meta_threading import check_threaded
 from fp8jax.quantize import quantize
 from fp8jax.fine_grained_dot import fine_grained_dot_general
-from fp8jax.recipes import CurrentScaling, is_fine_grained
+from fp8jax.recipes import is_fine_grained
 from fp8jax.scaling import (amaxes_unbatched_like, quantize_with_meta, record_amax, scale_for,
                             scale_from_amax)
 from fp8jax.sharding import global_amax, match_operand_axes, varying_axes
@@ -250,7 +250,7 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
   Returns (q, q_t, scale_inv, products, new_meta), `products[i] = scale_inv *
   partner_descales[i]` (capped at the float32 max): each GEMM's one descale.
   """
-  if isinstance(meta.recipe, CurrentScaling):
+  if meta.recipe.scales_from_tensor:
     t_amax = tensor_amax(t)
     whole_amax = global_amax(unbatched_like(meta.amax, t_amax), like)  # over vmap, mesh
     scale = scale_from_amax(whole_amax, meta.fmt, meta.recipe.margin,
@@ -307,7 +307,7 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
 
 def descale(meta, scale):
   """The descale `1 / scale` of a quantization: the stored one when `scale` is the meta's."""
-  if isinstance(meta.recipe, CurrentScaling):
+  if meta.recipe.scales_from_tensor:
     return 1.0 / scale
   return meta.scale_inv
 

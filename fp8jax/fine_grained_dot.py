@@ -49,10 +49,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.amax import amax
-from fp8jax.block_quantize import (BlockQuantized, dequantize_blocks, quantize_blocks,
-                                   quantize_mx, quantize_rows)
+from fp8jax.block_quantize import BlockQuantized, dequantize_blocks
 from fp8jax.meta import DotMeta
-from fp8jax.recipes import BlockScaling, MXFP8Scaling, RowwiseScaling
 from fp8jax.scaling import amaxes_unbatched_like, record_amax
 
 
@@ -92,13 +90,7 @@ def quantize_operand(t: jax.Array, recipe, fmt, axis: int, weight: bool) -> Bloc
 
   `weight` marks the kernel, which `BlockScaling` quantizes in B x B blocks.
   """
-  if isinstance(recipe, RowwiseScaling):
-    return quantize_rows(t, fmt, axis, recipe.power_of_two)
-  if isinstance(recipe, MXFP8Scaling):
-    return quantize_mx(t, fmt, axis)
-  size = recipe.block_size
-  block = (size, size) if weight else ((1, size) if axis == -1 else (size, 1))
-  return quantize_blocks(t, fmt, block, recipe.power_of_two)
+  return recipe.quantize_operand(t, fmt, axis, weight)
 
 
 # ----- The GEMMs ---------------------------------------------------------------------------
@@ -156,13 +148,7 @@ def pallas_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Ar
 
 def fp8_gemm(a: BlockQuantized, b: BlockQuantized, recipe, out_dtype) -> jax.Array:
   """The GEMM of two operands quantized along their contraction axis, as `recipe` runs it."""
-  if isinstance(recipe, RowwiseScaling):
-    return rowwise_gemm(a, b, out_dtype)
-  use_kernel = (isinstance(recipe, BlockScaling) and recipe.gemm == "pallas_hopper"
-                and b.block == (recipe.block_size, recipe.block_size))
-  if use_kernel:
-    return pallas_block_gemm(a, b, out_dtype)
-  return emulated_block_gemm(a, b, out_dtype)
+  return recipe.operand_gemm(a, b, out_dtype)
 
 
 def _high_precision_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -196,7 +182,7 @@ def _forward(x, kernel, meta):
   # What the backward GEMMs read of x and the kernel, quantized here (FP8 residuals).
   if "dgrad" in high:
     k_dgrad = kernel
-  elif isinstance(recipe, BlockScaling) and k_fprop is not None:
+  elif recipe.kernel_blocks_serve_dgrad and k_fprop is not None:
     k_dgrad = k_fprop  # B x B blocks are the same blocks of k^T
   else:
     k_dgrad = quantize_operand(kernel, recipe, meta.kernel.fmt, axis=-1, weight=True)

@@ -22,6 +22,11 @@ contraction axis, from the tensor itself (no history), and run through
 * `BlockScaling`: DeepSeek-V3 style, 1 x B tiles for activations and gradients,
   B x B blocks for weights.
 * `MXFP8Scaling`: OCP MX, 32-element blocks with power-of-two (E8M0) scales.
+
+Every recipe is a `Recipe`: the ops ask it everything through the protocol
+that class documents and test no recipe's type, so a recipe written outside
+fp8jax (a frozen dataclass subclassing `Recipe` or a built-in one) works
+wherever a built-in one does. README "Write your own recipe" has an example.
 """
 from __future__ import annotations
 
@@ -66,9 +71,51 @@ def _set_high_precision(recipe) -> None:
                      _normalized_high_precision(recipe.high_precision))
 
 
-class _NamedFormats:
-  """`forward_format` / `gradient_format` from the recipe's `fp8_format` name ("hybrid": E4M3
-  forward, E5M2 gradients; "e4m3": E4M3 everywhere)."""
+class Recipe:
+  """The scaling-recipe protocol: what fp8jax's ops ask a recipe, and nothing else.
+
+  Subclass it (or a built-in recipe) as a frozen dataclass, so a recipe is
+  hashable (a static `jit` argument) and its fields describe it (checkpoints
+  save them with the class's importable name). The defaults are per-tensor
+  delayed scaling with nothing optional.
+
+  Formats per role:
+    forward_format, gradient_format: the `Fp8Format` of x and the kernel, and of
+      output gradients (by default from the `fp8_format` name: "hybrid" is E4M3
+      forward, E5M2 gradients; "e4m3" is E4M3 everywhere).
+
+  State (an `Fp8Meta` per role: scale, amax history, the step's running amax):
+    history_len: L, the amax history each role keeps.
+
+  How an operand is quantized:
+    scales_from_tensor: False: with the stored scale (delayed scaling); True:
+      with a scale from the tensor's own amax, taken just before the cast.
+    per_operand: True for recipes that quantize each GEMM operand along that
+      GEMM's contraction axis (per row, per block); they implement
+      `quantize_operand` and `operand_gemm`, and may set
+      `kernel_blocks_serve_dgrad`.
+    margin, power_of_two: `scale = fmt.max / amax / 2**margin`, rounded down to
+      a power of two if `power_of_two`.
+    high_precision: GEMMs among ("fprop", "dgrad", "wgrad") that run in the
+      input dtype on the unquantized operands.
+
+  How the next scale comes from the amaxes:
+    window_amax(history): the amax the next scale is made from, per row of a
+      [rows, L] history whose column 0 is the newest step. The default takes
+      the max ("max") or the newest ("most_recent") by `amax_compute_algo`, and
+      runs in the fused end-of-step kernel; a recipe that overrides it is
+      closed by jnp, as written. A non-finite step amax is recorded as 0 and
+      keeps the old scale, whatever the recipe.
+  """
+
+  fp8_format = "hybrid"
+  amax_compute_algo = "max"
+  margin = 0
+  power_of_two = False
+  high_precision = ()
+  scales_from_tensor = False
+  per_operand = False
+  kernel_blocks_serve_dgrad = False
 
   @property
   def forward_format(self) -> Fp8Format:
@@ -78,9 +125,39 @@ class _NamedFormats:
   def gradient_format(self) -> Fp8Format:
     return formats_for(self.fp8_format)[1]
 
+  @property
+  def history_len(self) -> int:
+    return 1
+
+  def window_amax(self, history):
+    """float32 [rows]: the amax each row's next scale is made from ([rows, L] history)."""
+    return history.max(axis=1) if self.amax_compute_algo == "max" else history[:, 0]
+
+  @property
+  def fused_update(self) -> bool:
+    """Whether the end-of-step kernel can close this recipe (its `window_amax` is the default)."""
+    return type(self).window_amax is Recipe.window_amax
+
+  def quantize_operand(self, t, fmt: Fp8Format, axis: int, weight: bool):
+    """`t [..., R, C]` as a `fp8jax.block_quantize.BlockQuantized` along the contraction
+    `axis` (-1: C, -2: R); `weight` marks the kernel. For `per_operand` recipes."""
+    raise NotImplementedError(f"{type(self).__name__} scales whole tensors (per_operand=False).")
+
+  def operand_gemm(self, a, b, out_dtype):
+    """The GEMM of `quantize_operand` results `a [..., P, C]`, `b [..., C, Q]` in
+    `out_dtype`. Default: dequantize both and multiply in float32."""
+    from fp8jax.fine_grained_dot import emulated_block_gemm
+    return emulated_block_gemm(a, b, out_dtype)
+
+  def operand_scales(self, t, quantized, fmt: Fp8Format):
+    """The multipliers `quantize_operand` applied per block of `t` (for telemetry):
+    `fmt.max / amax` of each block, as `fp8jax.block_quantize` forms it."""
+    from fp8jax.block_quantize import block_amax, scales_from_amax
+    return scales_from_amax(block_amax(t, quantized.block), fmt, self.power_of_two)
+
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling(_NamedFormats):
+class DelayedScaling(Recipe):
   """Delayed scaling from a window of past amaxes.
 
   Attributes:
@@ -121,7 +198,7 @@ class DelayedScaling(_NamedFormats):
 
 
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling(_NamedFormats):
+class CurrentScaling(Recipe):
   """Just-in-time scaling from each tensor's own amax (no history).
 
   Attributes:
@@ -142,15 +219,11 @@ class CurrentScaling(_NamedFormats):
     _check_bool("power_of_two", self.power_of_two)
     _set_high_precision(self)
 
-  @property
-  def history_len(self) -> int:
-    # One slot: the amax of the current step, kept for reporting.
-    return 1
-
   amax_compute_algo = "most_recent"
+  scales_from_tensor = True  # history_len 1: the step's amax, kept for reporting
 
 
-class _FineGrained:
+class _FineGrained(Recipe):
   """What the per-row / per-block recipes share: scales come from the tensor itself.
 
   The meta keeps a one-entry amax history of each role's whole tensor, for
@@ -159,15 +232,12 @@ class _FineGrained:
   """
 
   amax_compute_algo = "most_recent"
-  margin = 0
-
-  @property
-  def history_len(self) -> int:
-    return 1
+  scales_from_tensor = True
+  per_operand = True
 
 
 @dataclasses.dataclass(frozen=True)
-class RowwiseScaling(_NamedFormats, _FineGrained):
+class RowwiseScaling(_FineGrained):
   """Current scaling per row of each GEMM's left operand and per column of its right one.
 
   Every GEMM `A [P, C] @ B [C, Q]` quantizes A with one scale per row (amax over
@@ -192,9 +262,17 @@ class RowwiseScaling(_NamedFormats, _FineGrained):
     _check_bool("power_of_two", self.power_of_two)
     _set_high_precision(self)
 
+  def quantize_operand(self, t, fmt, axis, weight):
+    from fp8jax.block_quantize import quantize_rows
+    return quantize_rows(t, fmt, axis, self.power_of_two)
+
+  def operand_gemm(self, a, b, out_dtype):
+    from fp8jax.fine_grained_dot import rowwise_gemm
+    return rowwise_gemm(a, b, out_dtype)
+
 
 @dataclasses.dataclass(frozen=True)
-class BlockScaling(_NamedFormats, _FineGrained):
+class BlockScaling(_FineGrained):
   """DeepSeek-V3 block scaling: 1 x B tiles for activations and gradients, B x B for weights.
 
   Each GEMM quantizes its operands along its contraction axis: x in 1 x B tiles
@@ -237,6 +315,20 @@ class BlockScaling(_NamedFormats, _FineGrained):
           f"of E4M3 only; got block_size={self.block_size}, fp8_format={self.fp8_format!r}. "
           "Use block_size=128, fp8_format='e4m3', or gemm='emulated'.")
 
+  kernel_blocks_serve_dgrad = True  # B x B blocks of k are the B x B blocks of k^T
+
+  def quantize_operand(self, t, fmt, axis, weight):
+    from fp8jax.block_quantize import quantize_blocks
+    size = self.block_size
+    block = (size, size) if weight else ((1, size) if axis == -1 else (size, 1))
+    return quantize_blocks(t, fmt, block, self.power_of_two)
+
+  def operand_gemm(self, a, b, out_dtype):
+    from fp8jax.fine_grained_dot import emulated_block_gemm, pallas_block_gemm
+    if self.gemm == "pallas_hopper" and b.block == (self.block_size, self.block_size):
+      return pallas_block_gemm(a, b, out_dtype)
+    return emulated_block_gemm(a, b, out_dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class MXFP8Scaling(_FineGrained):
@@ -274,20 +366,43 @@ class MXFP8Scaling(_FineGrained):
   def gradient_format(self) -> Fp8Format:
     return MX_FORMAT_CHOICES[self.fp8_format][1]
 
+  def quantize_operand(self, t, fmt, axis, weight):
+    from fp8jax.block_quantize import quantize_mx
+    return quantize_mx(t, fmt, axis)
 
-Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
+  def operand_scales(self, t, quantized, fmt):
+    return 1.0 / quantized.scale_inv  # powers of two: their reciprocals are exact
+
+
 RECIPE_CLASSES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
 
 
 def is_fine_grained(recipe) -> bool:
-  """True for the per-row / per-block recipes, which `fp8jax.fine_grained_dot` runs."""
-  return isinstance(recipe, _FineGrained)
+  """True for recipes that quantize per GEMM operand (`Recipe.per_operand`), which
+  `fp8jax.fine_grained_dot` runs."""
+  return bool(recipe.per_operand)
 
 
 def check_recipe(recipe, argname: str = "recipe") -> None:
-  """Raises TypeError unless `recipe` is a scaling recipe object."""
-  if not isinstance(recipe, RECIPE_CLASSES):
+  """Raises TypeError unless `recipe` is a (hashable) `Recipe`."""
+  if not isinstance(recipe, Recipe) or not dataclasses.is_dataclass(recipe):
     names = ", ".join(cls.__name__ for cls in RECIPE_CLASSES)
     raise TypeError(
-        f"{argname} must be a fp8jax recipe ({names}), "
-        f"got {type(recipe).__name__}: {recipe!r}.")
+        f"{argname} must be a fp8jax recipe ({names}, or your own subclass of "
+        f"fp8jax.Recipe declared as a frozen dataclass), got {type(recipe).__name__}: "
+        f"{recipe!r}.")
+  try:
+    hash(recipe)
+  except TypeError:
+    raise TypeError(
+        f"{argname}={recipe!r} is not hashable; declare your recipe with "
+        "@dataclasses.dataclass(frozen=True) so it can be a static jit argument.") from None
+
+
+def is_flax_fp8_ops_recipe(recipe) -> bool:
+  """Whether Flax's `fp8_ops` run `recipe` exactly: plain delayed scaling, max over the
+  history, no margin, hybrid formats, no power-of-two scales, no high-precision GEMM
+  (no subclass: its rules may differ)."""
+  return (type(recipe) is DelayedScaling and recipe.amax_compute_algo == "max"
+          and recipe.margin == 0 and recipe.fp8_format == "hybrid"
+          and not recipe.power_of_two and not recipe.high_precision)

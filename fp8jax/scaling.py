@@ -35,7 +35,6 @@ from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta, map_metas
 from fp8jax.amax import amax, amax_max, unbatched_like
 from fp8jax.block_quantize import round_down_to_power_of_two
 from fp8jax.quantize import quantize
-from fp8jax.recipes import CurrentScaling, is_fine_grained
 from fp8jax.sharding import global_amax
 from fp8jax.validation import check_format, check_int
 
@@ -179,10 +178,14 @@ def _close_together(metas, cotangents, recipe):
                                                          numerators)]
     return tuple(list(column) for column in zip(*rows))
 
-  new_scales, scale_invs, new_histories, new_amaxes = fused_kernels.close_steps(
-      amaxes, other_amaxes, histories, scales, numerators=numerators,
-      history_len=recipe.history_len, amax_compute_algo=recipe.amax_compute_algo,
-      reference=reference)
+  if recipe.fused_update:
+    new_scales, scale_invs, new_histories, new_amaxes = fused_kernels.close_steps(
+        amaxes, other_amaxes, histories, scales, numerators=numerators,
+        history_len=recipe.history_len, amax_compute_algo=recipe.amax_compute_algo,
+        reference=reference)
+  else:  # the recipe's own window_amax, as written
+    new_scales, scale_invs, new_histories, new_amaxes = reference(
+        amaxes, other_amaxes, histories, scales)
   if recipe.power_of_two:
     # After the fused close (whose kernel knows nothing of the option): round each
     # new scale down to a power of two, whose reciprocal is exact.
@@ -209,7 +212,7 @@ def _close_rows(amax, other_amax, history, scale, numerator, recipe):
   finite = jnp.abs(amax) < jnp.inf  # false for NaN and inf
   recorded = jnp.where(finite, amax, 0.0)
   history = jnp.concatenate([recorded[:, None], history[:, :history_len - 1]], axis=1)
-  window = jnp.max(history, axis=1) if recipe.amax_compute_algo == "max" else history[:, 0]
+  window = recipe.window_amax(history)
   candidate = _scale_from_amax(window, jnp.float32(numerator), scale)
   new_scale = jnp.where(finite & (amax > 0), candidate, scale)
   return new_scale, 1.0 / new_scale, history.reshape(-1), jnp.zeros_like(amax)
@@ -261,11 +264,10 @@ def scale_for(meta: Fp8Meta, x_amax: jax.Array, like: jax.Array | None = None) -
   per-row / per-block recipes scale per tensor, from its own amax, where one
   scale per tensor is all an op takes (the fused attention kernels).
   """
-  if isinstance(meta.recipe, CurrentScaling) or is_fine_grained(meta.recipe):
+  if meta.recipe.scales_from_tensor:
     x_amax = unbatched_like(meta.amax, x_amax)  # under vmap: the whole batch's amax
     if like is not None:
       x_amax = global_amax(x_amax, like)
-    return scale_from_amax(x_amax, meta.fmt, getattr(meta.recipe, "margin", 0),
-                           fallback=meta.scale,
-                           power_of_two=getattr(meta.recipe, "power_of_two", False))
+    return scale_from_amax(x_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale,
+                           power_of_two=meta.recipe.power_of_two)
   return meta.scale

@@ -39,12 +39,10 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.amax import amax as _amax
-from fp8jax.block_quantize import (block_amax, dequantize_blocks, expand_blocks,
-                                   quantize_blocks, quantize_mx, quantize_rows,
-                                   scales_from_amax)
+from fp8jax.block_quantize import dequantize_blocks, expand_blocks
 from fp8jax.meta import DotMeta, Fp8Meta, check_dot_meta, check_fp8_state, check_role_meta, is_meta
 from fp8jax.quantize import dequantize, quantize
-from fp8jax.recipes import MXFP8Scaling, RowwiseScaling, is_fine_grained
+from fp8jax.recipes import is_fine_grained
 from fp8jax.scaling import scale_for
 from fp8jax.validation import check_floating
 
@@ -175,22 +173,14 @@ def _as_matrix(x, operand, n_contract):
 def _fine_grained_quantize(x2, recipe, fmt, operand):
   """The forward GEMM's quantization of one operand under a per-row / per-block recipe."""
   axis = -1 if operand == "lhs" else -2  # the contraction axis of the 2-D operand
-  if isinstance(recipe, MXFP8Scaling):
-    return quantize_mx(x2, fmt, axis=axis)
-  if isinstance(recipe, RowwiseScaling):
-    return quantize_rows(x2, fmt, axis=axis, power_of_two=recipe.power_of_two)
-  size = recipe.block_size
-  block = (1, size) if operand == "lhs" else (size, size)
-  return quantize_blocks(x2, fmt, block, power_of_two=recipe.power_of_two)
+  return recipe.quantize_operand(x2, fmt, axis, weight=operand == "rhs")
 
 
 def _block_scales(x2, quantized, recipe, fmt):
   """The multipliers the quantizer applied per block (not 1 / scale_inv, which can be
   an ulp off): `fmt.max / amax` as `fp8jax.block_quantize` forms it; MX's are powers
   of two, whose reciprocals are exact."""
-  if isinstance(recipe, MXFP8Scaling):
-    return 1.0 / quantized.scale_inv
-  return scales_from_amax(block_amax(x2, quantized.block), fmt, recipe.power_of_two)
+  return recipe.operand_scales(x2, quantized, fmt)
 
 
 def _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt) -> TensorStats:

@@ -88,3 +88,32 @@ def test_readme_telemetry_snippet_runs_and_gives_finite_scalars():
   metrics = namespace["metrics"]
   assert any(key.endswith("snr_db") for key in metrics) and len(metrics) > 10
   assert not any(np.isnan(float(v)) for v in metrics.values())  # SNR may be +inf
+
+
+def test_readme_own_recipe_runs_in_the_sweep_beside_the_built_in_ones(tmp_path, monkeypatch):
+  import json
+
+  from fp8jax.cli import main
+
+  module = tmp_path / "my_recipes.py"
+  code = _python_block_after("## Write your own recipe", "An EMA of the amax history")
+  assert code.startswith("# my_recipes.py") and len(code.splitlines()) <= 40
+  module.write_text(code)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  section = README.read_text().split("## Write your own recipe")[1]
+  command = re.search(r"fp8jax sweep (--recipes [^\n]*)", section).group(1).split()
+  assert command[1] == "bf16,delayed,my_recipes:EmaAmaxScaling"
+  # The README's recipes at the size of test_sweep.py (the tiny model, 8 steps of 4 x 32
+  # tokens; the same settings share compiled steps); its --history grid is left out.
+  status = main(["sweep", "--out", str(tmp_path / "sweep"), *command[:2], "--size", "tiny",
+                 "--steps", "8", "--batch", "4", "--seq", "32", "--eval-every", "8",
+                 "--no-predict"])
+  assert status == 0
+  saved = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+  runs = {run["name"]: run for run in saved["runs"]}
+  assert set(runs) == {"bf16", "delayed", "my_recipes:EmaAmaxScaling"}
+  run = runs["my_recipes:EmaAmaxScaling"]
+  assert run["recipe"]["kind"] == "my_recipes:EmaAmaxScaling" and run["recipe"]["decay"] == 0.5
+  # It trained as the built-in delayed recipe did: 8 steps from the same initialization
+  # and data, apart only in how the scales follow the amaxes (FP8 rounding, <5%).
+  assert abs(run["final_loss"] / runs["delayed"]["final_loss"] - 1) < 0.05

@@ -55,7 +55,7 @@ def test_mesh_tests_in_8_device_subprocess():
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
   summary = proc.stdout.strip().splitlines()[-1]
-  assert "9 passed" in summary, summary  # the mesh tests ran there, none skipped
+  assert "10 passed" in summary, summary  # the mesh tests ran there, none skipped
 
 
 # A two-layer MLP in the Megatron layout: layer 1 column-parallel (kernel split
@@ -313,3 +313,14 @@ def test_fp8_attention_kernel_runs_per_shard_and_matches_one_device(spec):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   for got, want in zip(jax.tree.leaves(new_meta), jax.tree.leaves(want_meta)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@multidevice
+def test_a_recipe_of_your_own_on_a_mesh_gives_the_one_device_state():
+  from test_recipe_protocol import EmaAmaxScaling  # defined outside fp8jax, as a user would
+
+  recipe = EmaAmaxScaling(amax_history_len=4)
+  teacher = reference(recipe)
+  forced = trajectory(gspmd_step(_mesh(4, 2)), recipe, teacher)
+  for (_, _, state, _), (_, _, want_state, _) in zip(forced, teacher):
+    assert_same_fp8_state(state, want_state, DOWNSTREAM_OF_SHARDED_SUM)

@@ -25,8 +25,7 @@ def run(args) -> int:
   def work():
     recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
     for recipe in recipes:
-      if recipe not in runs.RECIPES:
-        raise runs.RunError(f"--recipes: {recipe!r} is not one of {sorted(runs.RECIPES)}.")
+      runs.config.base_recipe(recipe, "--recipes: ")  # a RunError for an unknown name
     base = None
     if args.resume:
       found = [c for r in recipes for c in checkpoints.complete(f"{args.out}/{r}")[-1:]]

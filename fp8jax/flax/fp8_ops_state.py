@@ -36,7 +36,7 @@ from jax import lax
 
 from fp8jax.formats import E4M3, E5M2
 from fp8jax.meta import DotMeta, Fp8Meta, is_meta
-from fp8jax.recipes import DelayedScaling
+from fp8jax.recipes import DelayedScaling, is_flax_fp8_ops_recipe
 from fp8jax.scaling import scale_from_amax
 
 FLAX_COLLECTION = "_overwrite_with_gradient"
@@ -173,11 +173,12 @@ def _dot_meta_to_flax(meta: DotMeta) -> dict:
   for role, prefix in _ROLES.items():
     role_meta = getattr(meta, role)
     recipe = role_meta.recipe
-    if (not isinstance(recipe, DelayedScaling) or recipe.amax_compute_algo != "max"
-        or recipe.margin != 0 or recipe.fp8_format != "hybrid"):
+    if not is_flax_fp8_ops_recipe(recipe):
       raise ValueError(
           f"to_flax_fp8_ops: the {role!r} meta follows {recipe}; Flax's fp8_ops do "
-          "DelayedScaling with amax_compute_algo='max', margin=0, fp8_format='hybrid' only.")
+          "DelayedScaling with amax_compute_algo='max', margin=0, fp8_format='hybrid', "
+          "power_of_two=False and high_precision=() only: converting would change the "
+          "recipe silently.")
     layer[f"{prefix}_amax_history"] = _rotate(role_meta.amax_history)
     layer[f"{prefix}_scale"] = role_meta.scale_inv[..., None]
   return layer

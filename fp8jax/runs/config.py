@@ -2,7 +2,8 @@
 
 A run trains the byte-level GPT of `fp8jax.models.gpt` on an embedded corpus
 (`fp8jax.data`) with one recipe: "bf16" (no FP8) or an FP8 recipe of `RECIPES`
-("delayed", "current", "rowwise", "block", "mxfp8"),
+("delayed", "current", "rowwise", "block", "mxfp8"), or a recipe of your own named
+"module:Class" (a frozen-dataclass `fp8jax.Recipe` whose defaults make a recipe),
 whose fields `recipe_options` may change (e.g. `{"amax_history_len": 1}`).
 Every setting lives in `RunConfig`, which is saved with each checkpoint and in
 the run's `run.json`, so a run can be resumed and compared exactly.
@@ -34,9 +35,7 @@ def recipe_with(name: str, options: dict | None = None):
     RunError: an unknown recipe, options that are not a dict of the recipe's
       fields, or values the recipe rejects.
   """
-  if name not in RECIPES:
-    raise RunError(f"--recipe {name!r} is not one of {sorted(RECIPES)}.")
-  base = RECIPES[name]
+  base = base_recipe(name)
   if not options:
     return base
   if not isinstance(options, dict):
@@ -53,6 +52,27 @@ def recipe_with(name: str, options: dict | None = None):
     return dataclasses.replace(base, **options)
   except (TypeError, ValueError) as error:
     raise RunError(f"recipe_options={options!r} for {name}: {error}") from None
+
+
+def base_recipe(name: str, flag: str = "--recipe "):
+  """`RECIPES[name]`, or for "module:Class" that class with its defaults.
+
+  `flag` starts the error message (the option the name came from).
+
+  Raises:
+    RunError: an unknown name, a class that cannot be imported, or one that is not
+      a recipe or has no defaults.
+  """
+  if ":" not in name:
+    if name not in RECIPES:
+      raise RunError(f"{flag}{name!r} is not one of {sorted(RECIPES)}, nor a recipe of "
+                     "your own named module:Class.")
+    return RECIPES[name]
+  from fp8jax.checkpoint import import_recipe_class
+  try:
+    return import_recipe_class(name)()
+  except (ValueError, TypeError) as error:
+    raise RunError(f"{flag}{name!r}: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +120,6 @@ class RunConfig:
   max_data_bytes: int = 4 * 2**20
 
   def __post_init__(self):
-    if self.recipe not in RECIPES:
-      raise RunError(f"--recipe {self.recipe!r} is not one of {sorted(RECIPES)}.")
     self.recipe_object  # builds the recipe: RunError for options it does not take
     from fp8jax.models import gpt  # the model module imports Flax; keep this module light
     if self.size not in gpt.SIZES:

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 from typing import NamedTuple
 
-from fp8jax.runs.config import RECIPES, RunError
+from fp8jax.runs.config import RECIPES, RunError, base_recipe
 
 # knob -> the recipe dataclass field it sets.
 KNOBS = {
@@ -38,7 +38,7 @@ class GridPoint(NamedTuple):
       of the grid that applies to it (the knob as its command-line flag, the value
       as the command line writes it), joined by ",", e.g.
       "delayed,history=1,power-of-two=1,high-precision=dgrad+wgrad".
-    recipe: the name in `RECIPES`.
+    recipe: the name in `RECIPES`, or "module:Class" for a recipe of your own.
     knobs: {knob: value} of this point.
     options: `RunConfig.recipe_options`: {recipe field: value}.
   """
@@ -51,7 +51,7 @@ class GridPoint(NamedTuple):
 
 def knobs_of(recipe: str) -> list[str]:
   """The knobs that apply to a recipe (those whose field its dataclass has)."""
-  base = RECIPES[recipe]
+  base = base_recipe(recipe)
   if base is None:
     return []
   fields = {f.name for f in dataclasses.fields(base)}
@@ -71,8 +71,7 @@ def grid_points(grid: dict) -> list[GridPoint]:
                    "{'recipes': ['bf16', 'delayed'], 'history': [1, 16]}.")
   values = {key: _values(key, grid[key]) for key in grid}
   for recipe in values["recipes"]:
-    if recipe not in RECIPES:
-      raise RunError(f"--recipes: {recipe!r} is not one of {sorted(RECIPES)}.")
+    base_recipe(recipe, "--recipes: ")  # a RunError for an unknown or unimportable name
   unknown = [key for key in values if key != "recipes" and key not in KNOBS]
   if unknown:
     raise RunError(f"grid: unknown knob {unknown[0]!r}; the knobs are {list(KNOBS)}.")
@@ -112,7 +111,7 @@ def _values(key, given) -> list:
 
 def _build(recipe: str, options: dict, given: str) -> None:
   try:
-    dataclasses.replace(RECIPES[recipe], **options)
+    dataclasses.replace(base_recipe(recipe), **options)
   except (TypeError, ValueError) as error:
     raise RunError(f"{given} is not valid for {recipe}: {error}") from None
 

@@ -12,7 +12,7 @@ every `telemetry_every` steps. Written to `<out>`:
 * `sweep.json`:
 
       {"config": {base settings, "telemetry_every", "predict_size"},
-       "runs": [{"name", "recipe": {"kind": "DelayedScaling" | ... | "bf16", fields...},
+       "runs": [{"name", "recipe": {"kind": "DelayedScaling" | ... | "module:Class" | "bf16", fields...},
                  "knobs": {knob: value}, "final_loss", "rel_gap_vs_bf16", "val_loss",
                  "tokens_per_s", "step_time_s",
                  "telemetry": {role kind: {"median_headroom", "min_headroom",
@@ -196,7 +196,8 @@ def _recipe_fields(config: RunConfig) -> dict:
   recipe = config.recipe_object
   if recipe is None:
     return {"kind": "bf16"}
-  return {"kind": type(recipe).__name__, **dataclasses.asdict(recipe)}
+  from fp8jax.checkpoint import recipe_kind  # "DelayedScaling", or "module:Class"
+  return {"kind": recipe_kind(type(recipe)), **dataclasses.asdict(recipe)}
 
 
 def _predictions(configs: dict, predict: bool, size: int) -> dict:

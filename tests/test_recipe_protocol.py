@@ -1,0 +1,156 @@
+"""A recipe written outside fp8jax works wherever a built-in one does.
+
+`EmaAmaxScaling` below is defined here, in a test module, the way a user
+would: a frozen dataclass subclassing `fp8jax.DelayedScaling` that overrides
+one protocol method, `window_amax` (an exponential moving average of the
+observed amaxes instead of their max). It goes through `fp8_dense`,
+`fp8_einsum`, the linen and nnx layers, checkpoints (saved under its
+importable name) and telemetry; test_sharding.py runs it on an 8-device mesh.
+The expected scales are computed here in float64 numpy from the amaxes the
+state recorded, independently of fp8jax's update.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp8jax
+import fp8jax.checkpoint as ckpt
+from fp8jax import telemetry
+from fp8jax.flax import nnx_value_and_grad
+from fp8jax.flax.linen import Fp8Dense
+from fp8jax.flax.nnx import Fp8Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class EmaAmaxScaling(fp8jax.DelayedScaling):
+  """Delayed scaling from an exponential moving average of the observed amaxes."""
+
+  decay: float = 0.5
+
+  def window_amax(self, history):
+    weights = self.decay ** jnp.arange(history.shape[1], dtype=jnp.float32)
+    observed = (history > 0) * weights
+    return jnp.sum(history * weights, axis=1) / jnp.maximum(jnp.sum(observed, axis=1), 1e-30)
+
+
+RECIPE = EmaAmaxScaling(amax_history_len=4)
+GAINS = (1.0, 4.0, 2.0)  # the input's scale per step: the EMA differs from the max
+
+
+def _ema_scale(history: np.ndarray, fmt_max: float) -> float:
+  """float64: fmt_max / (sum_i decay**i * a_i / sum over observed steps of decay**i)."""
+  weights = RECIPE.decay ** np.arange(len(history), dtype=np.float64)
+  observed = (history > 0) * weights
+  return fmt_max / (np.sum(history * weights) / np.sum(observed))
+
+
+def _assert_ema_scales(meta):
+  for role in (meta.x, meta.kernel, meta.grad):
+    history = np.asarray(role.amax_history, np.float64)
+    # float32 arithmetic in the update against float64 here: a few ulps.
+    np.testing.assert_allclose(float(role.scale), _ema_scale(history, role.fmt.max),
+                               rtol=1e-6)
+
+
+def _steps(loss, params, meta):
+  step = jax.jit(fp8jax.value_and_grad(loss))
+  for i, gain in enumerate(GAINS):
+    x = jax.random.normal(jax.random.key(i), (32, 16)) * gain
+    _, _, meta = step(params, meta, x)
+  return meta
+
+
+def _kernel():
+  return jax.random.normal(jax.random.key(10), (16, 8)) / 4
+
+
+def test_user_recipe_runs_fp8_dense_and_updates_by_its_own_rule():
+  def loss(kernel, meta, x):
+    y, meta = fp8jax.fp8_dense(x, kernel, None, meta)
+    return jnp.sum(y.astype(jnp.float32) ** 2), meta
+
+  meta = _steps(loss, _kernel(), fp8jax.init_dot_meta(RECIPE))
+  assert meta.x.recipe == RECIPE
+  assert np.count_nonzero(np.asarray(meta.x.amax_history)) == len(GAINS)
+  _assert_ema_scales(meta)
+  # Not what plain delayed scaling (max over the history) would give.
+  assert float(meta.x.scale) > meta.x.fmt.max / float(np.max(meta.x.amax_history)) * 1.01
+
+
+def test_user_recipe_runs_fp8_einsum():
+  def loss(kernel, meta, x):
+    y, meta = fp8jax.fp8_einsum("bk,kn->bn", x, kernel, meta)
+    return jnp.sum(y.astype(jnp.float32) ** 2), meta
+
+  _assert_ema_scales(_steps(loss, _kernel(), fp8jax.init_dot_meta(RECIPE)))
+
+
+def test_user_recipe_runs_linen_layers():
+  model = Fp8Dense(8, recipe=RECIPE)
+  variables = model.init(jax.random.key(0), jnp.ones((32, 16)))
+
+  def loss(params, state, x):
+    y, updates = model.apply({"params": params, "fp8_meta": state}, x, mutable=["fp8_meta"])
+    return jnp.sum(y ** 2), updates["fp8_meta"]
+
+  state = _steps(loss, variables["params"], variables["fp8_meta"])
+  _assert_ema_scales(state["dot_meta"])
+
+
+def test_user_recipe_runs_nnx_layers():
+  model = Fp8Linear(16, 8, recipe=RECIPE, rngs=nnx.Rngs(0))
+
+  @nnx.jit
+  def step(model, x):
+    return nnx_value_and_grad(lambda m, x: jnp.sum(m(x) ** 2))(model, x)
+
+  for i, gain in enumerate(GAINS):
+    step(model, jax.random.normal(jax.random.key(i), (32, 16)) * gain)
+  meta = model.fp8_meta.get_value() if hasattr(model.fp8_meta, "get_value") else \
+      model.fp8_meta.value
+  _assert_ema_scales(meta)
+
+
+def test_user_recipe_checkpoint_round_trips_by_its_importable_name(tmp_path):
+  kernel = _kernel()
+  meta = _steps(lambda k, m, x: (lambda y, m: (jnp.sum(y ** 2), m))(
+      *fp8jax.fp8_dense(x, k, None, m)), kernel, fp8jax.init_dot_meta(RECIPE))
+  path = ckpt.save(tmp_path / "step_3", params={"k": kernel}, opt_state={},
+                   fp8_state={"l": meta})
+  saved = ckpt.read_description(path)["fp8_metas"]["['l'].x"]["recipe"]
+  assert saved["kind"] == f"{__name__}:EmaAmaxScaling" and saved["decay"] == 0.5
+  restored = ckpt.restore(path, params={"k": kernel}, opt_state={}, fp8_state={"l": meta},
+                          keep_saved_recipes=True)
+  got = restored["fp8_state"]["l"]
+  assert got.x.recipe == RECIPE and type(got.x.recipe) is EmaAmaxScaling
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(meta)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_saved_recipe_that_cannot_be_imported_is_named():
+  with pytest.raises(ValueError, match=r"'no_such_module:Ema' cannot be imported.*importable"):
+    ckpt.recipe_from_description({"kind": "no_such_module:Ema", "decay": 0.5})
+
+
+def test_user_recipe_telemetry():
+  meta = fp8jax.init_dot_meta(RECIPE)
+  x = jax.random.normal(jax.random.key(0), (32, 16)) * 3
+  stats = telemetry.dot_stats(x, _kernel(), meta)
+  # Delayed scaling from the initial scale 1: nothing saturates, the SNR is finite.
+  assert float(stats["x"].saturated) == 0.0 and np.isfinite(float(stats["x"].snr_db))
+  assert set(telemetry.state_stats({"l": meta})) == {"l/x", "l/kernel", "l/grad"}
+
+
+def test_a_recipe_that_is_not_a_frozen_dataclass_is_refused():
+  class Loose(fp8jax.Recipe):  # not a dataclass
+    pass
+
+  with pytest.raises(TypeError, match="frozen dataclass"):
+    fp8jax.init_dot_meta(Loose())
