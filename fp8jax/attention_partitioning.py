@@ -29,7 +29,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fp8jax.kernel_partitioning import _define, _names
+from fp8jax.kernel_partitioning import define_rules, axis_names
 
 LAYOUTS = ("bshd", "btkd", "bs", "bt", "bhs", "")
 OUTPUT_LAYOUTS = LAYOUTS + ("amax",)
@@ -68,7 +68,7 @@ def shard_local_attention(kernel: Callable, operands: Sequence[str],
 
     def partition(mesh, arg_shapes, result_shape):
       batch, heads = _plan(mesh, arg_shapes, layouts)
-      used = _names(batch) + _names(heads)
+      used = axis_names(batch) + axis_names(heads)
 
       def lower_fn(*arrays):
         results = list(run(*arrays))
@@ -85,7 +85,7 @@ def shard_local_attention(kernel: Callable, operands: Sequence[str],
 
     rule = f"{', '.join(_factors(l) for l in layouts)} -> " \
            f"{', '.join(_factors(l) for l in outputs)}"
-    return _define(custom_partitioning(run), partition, infer_sharding_from_operands, rule)
+    return define_rules(custom_partitioning(run), partition, infer_sharding_from_operands, rule)
 
   @functools.wraps(kernel)
   def call(*args):
@@ -110,14 +110,14 @@ def _plan(mesh, arg_shapes, layouts) -> tuple:
   batch = spec[0] if _divides(mesh, spec[0], q.shape[0]) else None
   heads = spec[2]
   if (not _divides(mesh, heads, q.shape[2]) or not _divides(mesh, heads, kv_heads)
-      or set(_names(heads)) & set(_names(batch))):
+      or set(axis_names(heads)) & set(axis_names(batch))):
     heads = None
   return batch, heads
 
 
 def _divides(mesh, entry, size: int) -> bool:
   ways = 1
-  for name in _names(entry):
+  for name in axis_names(entry):
     ways *= mesh.shape[name]
   return size % ways == 0
 

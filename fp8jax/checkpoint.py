@@ -57,7 +57,14 @@ each write their own temporary directory (threads of one process one after the
 other: orbax's save is not thread-safe); the rename is the claim, and renaming
 a directory onto one that exists fails, so exactly one save wins. The others
 delete what they wrote and raise `CheckpointExists`; the winner's checkpoint is
-complete and restores bit for bit.
+complete and restores bit for bit. With `overwrite=True` the last save to
+finish wins: the checkpoint it replaces is first renamed to
+`<path>.fp8jax-replaced-<token>` and deleted once the new one is in place (a
+process killed between the two renames leaves that complete checkpoint there,
+and `restore(<path>)` names it).
+
+Restoring a checkpoint of a recipe of your own imports the module the
+checkpoint names (`module:Class`): restore only checkpoints you trust.
 """
 from __future__ import annotations
 
@@ -90,6 +97,8 @@ TMP_MARKER = ".orbax-checkpoint-tmp"
 # In the name of the directory one save writes before renaming it into place. Not
 # TMP_MARKER: orbax takes the text before its first TMP_MARKER as the final name.
 STAGING_MARKER = ".fp8jax-save-tmp"
+# In the name a checkpoint replaced by an overwrite=True save has until it is deleted.
+REPLACED_MARKER = ".fp8jax-replaced"
 _UNFINISHED_MARKERS = (TMP_MARKER, STAGING_MARKER)
 COMMIT_MARKER = "commit_success.txt"
 ITEMS = ("params", "opt_state", "fp8_state")
@@ -142,12 +151,14 @@ def describe_recipe(recipe) -> dict:
   The class is named as fp8jax's recipes are ("DelayedScaling"), or, for a recipe
   defined elsewhere, by its importable name "module:QualifiedName".
   """
+  kind = recipe_kind(type(recipe))
+  built_in = ":" not in kind  # a recipe of your own keeps every field: its defaults may differ
   fields = {}
   for name, value in dataclasses.asdict(recipe).items():
-    if name in _OPTIONAL_RECIPE_FIELDS and value == _OPTIONAL_RECIPE_FIELDS[name]:
+    if built_in and name in _OPTIONAL_RECIPE_FIELDS and value == _OPTIONAL_RECIPE_FIELDS[name]:
       continue
     fields[name] = list(value) if isinstance(value, tuple) else value
-  return {"kind": recipe_kind(type(recipe)), **fields}
+  return {"kind": kind, **fields}
 
 
 def recipe_kind(cls: type) -> str:
@@ -159,7 +170,8 @@ def recipe_kind(cls: type) -> str:
 
 def recipe_from_description(description: dict):
   """The recipe object a `describe_recipe` dictionary describes."""
-  fields = dict(description)
+  fields = {name: tuple(value) if isinstance(value, list) else value  # lists from JSON
+            for name, value in description.items()}
   kind = str(fields.pop("kind", None))
   cls = import_recipe_class(kind) if ":" in kind else getattr(recipes_module, kind, None)
   if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -362,7 +374,8 @@ def _claim(staged: pathlib.Path, path: pathlib.Path, overwrite: bool) -> bool:
   """
   displaced = None
   if overwrite:
-    displaced = path.with_name(staged.name + "-replaced")
+    token = staged.name.rsplit("-", 1)[-1]
+    displaced = path.with_name(f"{path.name}{REPLACED_MARKER}-{token}")
     try:
       os.rename(path, displaced)
     except FileNotFoundError:  # nothing to replace (or another save moved it first)
@@ -423,6 +436,10 @@ def check_complete(directory: str | os.PathLike) -> pathlib.Path:
                        for p in path.parent.glob(path.name + marker + "*"))
     hint = (f" Found {leftovers}: a save to it was interrupted before it finished, so no "
             "complete checkpoint of that name exists." if leftovers else "")
+    replaced = sorted(p.name for p in path.parent.glob(path.name + REPLACED_MARKER + "*"))
+    if replaced:
+      hint += (f" Found {replaced}: the complete checkpoint an interrupted overwrite=True "
+               "save was replacing; restore it from there, or rename it back.")
     raise FileNotFoundError(f"No checkpoint at directory={str(directory)!r}.{hint}")
   missing = [part for part in _REQUIRED_FILES if not (path / part).exists()]
   missing = [part for part in missing  # "state", not also "state/_METADATA"

@@ -50,9 +50,8 @@ from fp8jax.amax import amax
 from fp8jax.attention_partitioning import shard_local_attention
 from fp8jax.fused_kernels import inside_shard_map
 from fp8jax.kernel_partitioning import vmapped_as
-from fp8jax.scaling import quantize_with_meta
 from fp8jax.recipes import Recipe, check_recipe
-from fp8jax.scaling import amaxes_unbatched_like, record_amax
+from fp8jax.scaling import amaxes_unbatched_like, quantize_with_meta, record_amax
 from fp8jax.validation import check_floating
 import pallas_kernels
 
@@ -245,7 +244,7 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
                     f"fp8jax.init_attention_meta(recipe)), got {type(meta).__name__}.")
   for role in _FORWARD_ROLES + ("grad",):
     check_role_meta(getattr(meta, role), f"meta.{role}")
-  check_threaded(meta, "fp8_attention")
+  check_threaded(meta, "fp8_attention", init="fp8jax.init_attention_meta")
   choice = choose_backend(q, k, fp8=True, causal=causal,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
                           backend=backend)
@@ -311,7 +310,8 @@ def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
 def _fused_fp8_backward(backend, q8, k8, v8, descales, out, lse, g, q_seg, kv_seg, call):
   """(dq, dk, dv) from an FP8 backward kernel, run on each device's batch rows and heads."""
   if backend == "pallas_hopper_fp8":
-    # dO's E4M3 scale comes from the whole dO (one scale, as on one device).
+    # dO's E4M3 scale comes from the whole dO under jit (one scale, as on one device);
+    # inside shard_map, where the kernel is per device, from the device's dO.
     g8, descale_g = pallas_kernels.quantize_gradient(g)
 
     def kernel(q8, k8, v8, out, lse, g8, descale_q, descale_k, descale_v, descale_g, q_seg,

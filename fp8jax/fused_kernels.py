@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +138,7 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
     if gathered_for is None:
       q, q_t, new_amax, *products = per_shard(x, scale, running_amax, *descales)
     else:
-      q, q_t, new_amax, *products = _weight_per_shard(local_kernel)(
+      q, q_t, new_amax, *products = shard_local_weight_cast(local_kernel)(
           x, gathered_for, scale, running_amax, *descales, n_scalars_out=n_products)
     return q, q_t, new_amax, (tuple(products) if with_products else None)
 
@@ -177,7 +176,6 @@ def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_
   return choose((amaxes, other_amaxes, histories, scales), kernel, reference)
 
 
-_weight_per_shard = functools.lru_cache(maxsize=None)(shard_local_weight_cast)
 _per_shard_amax = shard_local(lambda x, start: (pallas_kernels.running_amax(x, start),),
                               ("amax",))
 

@@ -56,7 +56,7 @@ def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
 
     def partition(mesh, arg_shapes, result_shape):
       t_spec = _divisible_spec(mesh, arg_shapes[0])
-      split_over = tuple(name for entry in t_spec for name in _names(entry))
+      split_over = tuple(name for entry in t_spec for name in axis_names(entry))
 
       def lower_fn(t, *scalars):
         results = list(kernel(t, *scalars))
@@ -72,7 +72,7 @@ def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
       return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0]), outputs)
 
-    return _define(partitioned, partition, infer_sharding_from_operands,
+    return define_rules(partitioned, partition, infer_sharding_from_operands,
                    _sharding_rule(n_scalars, outputs))
 
   @functools.wraps(kernel)
@@ -104,7 +104,8 @@ def _sharding_rule(n_scalars: int, outputs) -> str:
   return f"{operands} -> {results}"
 
 
-def _define(partitioned, partition, infer_sharding_from_operands, rule: str, **rule_options):
+def define_rules(partitioned, partition, infer_sharding_from_operands, rule: str,
+                 **rule_options):
   """Gives a `custom_partitioning` function its rules: `partition` and, for Shardy, the
   einsum-like `rule` (GSPMD, when Shardy is off, uses `infer_sharding_from_operands`)."""
   partitioned.def_partition(
@@ -115,7 +116,8 @@ def _define(partitioned, partition, infer_sharding_from_operands, rule: str, **r
   return partitioned
 
 
-def _names(entry) -> tuple:
+def axis_names(entry) -> tuple:
+  """The mesh axis names of one `PartitionSpec` entry (None, a name, or a tuple of names)."""
   if entry is None:
     return ()
   return entry if isinstance(entry, tuple) else (entry,)
@@ -130,7 +132,7 @@ def _divisible_spec(mesh, shape) -> PartitionSpec:
   entries = list(spec) + [None] * (2 - len(spec))
   for axis, entry in enumerate(entries[:2]):
     ways = 1
-    for name in _names(entry):
+    for name in axis_names(entry):
       ways *= mesh.shape[name]
     if ways > 1 and shape.shape[axis] % ways:
       entries[axis] = None
@@ -163,17 +165,17 @@ def shard_local_gemm(gemm: Callable) -> Callable:
   def _specs(mesh, arg_shapes):
     (p, c_a), (q, c_b) = (tuple(_divisible_spec(mesh, s)) for s in arg_shapes[:2])
     c = c_a if c_a == c_b else None
-    used = set(_names(p))
-    if used & set(_names(q)):
+    used = set(axis_names(p))
+    if used & set(axis_names(q)):
       q = None
-    used |= set(_names(q))
-    if used & set(_names(c)):
+    used |= set(axis_names(q))
+    if used & set(axis_names(c)):
       c = None
     return p, q, c
 
   def partition(mesh, arg_shapes, result_shape):
     p, q, c = _specs(mesh, arg_shapes)
-    contracted_over = _names(c)
+    contracted_over = axis_names(c)
 
     def lower_fn(qa, qb, descale):
       out = gemm(qa, qb, descale)
@@ -188,7 +190,7 @@ def shard_local_gemm(gemm: Callable) -> Callable:
     p, q, _ = _specs(mesh, arg_shapes)
     return NamedSharding(mesh, PartitionSpec(p, q))
 
-  _define(partitioned, partition, infer_sharding_from_operands, "p c, q c, -> p q",
+  define_rules(partitioned, partition, infer_sharding_from_operands, "p c, q c, -> p q",
           reduction_factors=("c",))
 
   @functools.wraps(gemm)
@@ -215,9 +217,9 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
   def _plan(mesh, arg_shapes):
     w_spec = tuple(_divisible_spec(mesh, arg_shapes[0]))
     x_spec = getattr(arg_shapes[1].sharding, "spec", None) or PartitionSpec()
-    batch_axes = set(name for entry in tuple(x_spec)[:-1] for name in _names(entry))
-    gather = [tuple(n for n in _names(entry) if n in batch_axes) for entry in w_spec]
-    kept = [tuple(n for n in _names(entry) if n not in batch_axes) or None for entry in w_spec]
+    batch_axes = set(name for entry in tuple(x_spec)[:-1] for name in axis_names(entry))
+    gather = [tuple(n for n in axis_names(entry) if n in batch_axes) for entry in w_spec]
+    kept = [tuple(n for n in axis_names(entry) if n not in batch_axes) or None for entry in w_spec]
     kept = [k[0] if k is not None and len(k) == 1 else k for k in kept]
     return w_spec, gather, kept
 
@@ -229,7 +231,7 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
 
   def partition(mesh, arg_shapes, result_shape):
     w_spec, gather, kept = _plan(mesh, arg_shapes)
-    split_over = tuple(name for entry in w_spec for name in _names(entry))
+    split_over = tuple(name for entry in w_spec for name in axis_names(entry))
 
     def lower_fn(w, x, *scalars):
       del x
@@ -263,7 +265,7 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
     x_factors = " ".join(f"x{i}" for i in range(x_rank))
     operands = ", ".join(["r c", x_factors] + [""] * n_scalars)
     results = ", ".join(["p q", "q p", ""] + [""] * n_scalars_out)
-    return _define(fn, partition, infer_sharding_from_operands, f"{operands} -> {results}")
+    return define_rules(fn, partition, infer_sharding_from_operands, f"{operands} -> {results}")
 
   def call(w, x, *scalars, n_scalars_out: int = 0):
     return partitioned_for(len(scalars), n_scalars_out, x.ndim)(w, x, *scalars)

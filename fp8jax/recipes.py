@@ -76,8 +76,10 @@ class Recipe:
 
   Subclass it (or a built-in recipe) as a frozen dataclass, so a recipe is
   hashable (a static `jit` argument) and its fields describe it (checkpoints
-  save them with the class's importable name). The defaults are per-tensor
-  delayed scaling with nothing optional.
+  save them with the class's importable name); give every field a default
+  (`fp8jax sweep` builds a recipe from its class). The defaults are per-tensor
+  delayed scaling with nothing optional. `history_len`, `forward_format` and
+  `gradient_format` are properties: override them as properties, not fields.
 
   Formats per role:
     forward_format, gradient_format: the `Fp8Format` of x and the kernel, and of
@@ -384,7 +386,8 @@ def is_fine_grained(recipe) -> bool:
 
 
 def check_recipe(recipe, argname: str = "recipe") -> None:
-  """Raises TypeError unless `recipe` is a (hashable) `Recipe`."""
+  """Raises unless `recipe` is a hashable `Recipe` dataclass with valid protocol values
+  (TypeError for the kind of object, ValueError for a value)."""
   if not isinstance(recipe, Recipe) or not dataclasses.is_dataclass(recipe):
     names = ", ".join(cls.__name__ for cls in RECIPE_CLASSES)
     raise TypeError(
@@ -397,6 +400,23 @@ def check_recipe(recipe, argname: str = "recipe") -> None:
     raise TypeError(
         f"{argname}={recipe!r} is not hashable; declare your recipe with "
         "@dataclasses.dataclass(frozen=True) so it can be a static jit argument.") from None
+  _check_protocol_values(recipe)
+
+
+def _check_protocol_values(recipe) -> None:
+  """The protocol's values (a recipe of your own has no `__post_init__` of fp8jax's)."""
+  name = type(recipe).__name__
+  if recipe.fused_update and recipe.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+    raise ValueError(f"{name}.amax_compute_algo={recipe.amax_compute_algo!r} is not one of "
+                     f"{AMAX_COMPUTE_ALGOS} (override window_amax for another rule).")
+  check_int(f"{name}.margin", recipe.margin, minimum=0)
+  check_int(f"{name}.history_len", recipe.history_len, minimum=1)
+  _check_bool(f"{name}.power_of_two", recipe.power_of_two)
+  _normalized_high_precision(recipe.high_precision)
+  for role in ("forward_format", "gradient_format"):
+    if not isinstance(getattr(recipe, role), Fp8Format):
+      raise TypeError(f"{name}.{role} must be an fp8jax.Fp8Format (E4M3 or E5M2), got "
+                      f"{getattr(recipe, role)!r}.")
 
 
 def is_flax_fp8_ops_recipe(recipe) -> bool:

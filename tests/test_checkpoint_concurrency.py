@@ -122,6 +122,27 @@ def test_overwrite_replaces_the_checkpoint_with_the_new_one_bit_exactly(tmp_path
   assert_bitwise_equal(restore_like(path), state(1))
 
 
+def test_an_overwrite_cut_between_its_renames_leaves_the_old_checkpoint_named(
+    tmp_path, monkeypatch):
+  path = tmp_path / "step_1"
+  ckpt.save(path, **state(0))
+  rename = ckpt.os.rename
+
+  def killed_after_the_first_rename(source, target):
+    rename(source, target)
+    if ckpt.REPLACED_MARKER in str(target):
+      raise KeyboardInterrupt  # the process stops here: the new one never moved into place
+
+  monkeypatch.setattr(ckpt.os, "rename", killed_after_the_first_rename)
+  with pytest.raises(KeyboardInterrupt):
+    ckpt.save(path, **state(1), overwrite=True)
+  monkeypatch.undo()
+  with pytest.raises(FileNotFoundError, match="interrupted overwrite=True save was replacing"):
+    ckpt.restore(path, **jax.eval_shape(lambda: state(0)))
+  replaced = next(tmp_path.glob("step_1" + ckpt.REPLACED_MARKER + "*"))
+  assert_bitwise_equal(restore_like(replaced), state(0))  # complete, restorable as it is
+
+
 def test_a_save_left_between_writing_and_renaming_is_never_taken_for_a_checkpoint(tmp_path):
   # A process killed after its write and before its rename leaves a whole
   # checkpoint under the temporary name; it must not be listed or restored.

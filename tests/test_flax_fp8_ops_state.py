@@ -136,10 +136,18 @@ def test_switching_library_mid_run_gives_flax_next_step_output(runs):
   np.testing.assert_allclose(fp8jax_y, flax_y, rtol=0, atol=1e-2 * scale)
 
 
-def test_conversions_refuse_what_flax_cannot_hold():
-  meta = fp8jax.init_dot_meta(fp8jax.DelayedScaling(margin=1))
-  with pytest.raises(ValueError, match="margin=0"):
+@pytest.mark.parametrize("recipe", [
+    fp8jax.DelayedScaling(margin=1), fp8jax.DelayedScaling(power_of_two=True),
+    fp8jax.DelayedScaling(high_precision=("wgrad",)), fp8jax.CurrentScaling()],
+    ids=["margin", "power_of_two", "high_precision", "current"])
+def test_to_flax_refuses_recipes_flax_does_not_run(recipe):
+  # Flax's fp8_ops would run plain delayed scaling: converting would change the recipe.
+  meta = fp8jax.init_dot_meta(recipe)
+  with pytest.raises(ValueError, match="margin=0, fp8_format='hybrid', power_of_two=False"):
     to_flax_fp8_ops({"Dense_0": {"Fp8DotGeneral_0": {"dot_meta": meta}}})
+
+
+def test_conversions_refuse_what_flax_cannot_hold():
   with pytest.raises(ValueError, match="holds exactly"):
     from_flax_fp8_ops({"Dense_0": {"Fp8DirectDotGeneralOp_0": {"input_scale": jnp.ones(1)}}})
   with pytest.raises(TypeError, match="flax_state must be"):

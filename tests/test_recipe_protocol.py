@@ -92,6 +92,21 @@ def test_user_recipe_runs_fp8_einsum():
   _assert_ema_scales(_steps(loss, _kernel(), fp8jax.init_dot_meta(RECIPE)))
 
 
+def test_user_recipe_runs_gradient_accumulation():
+  def loss(kernel, meta, x):
+    y, meta = fp8jax.fp8_dense(x, kernel, None, meta)
+    return jnp.sum(y.astype(jnp.float32) ** 2), meta
+
+  meta = fp8jax.init_dot_meta(RECIPE)
+  for i, gain in enumerate(GAINS):
+    microbatches = jax.random.normal(jax.random.key(i), (2, 16, 16)) * gain
+    _, _, meta = jax.jit(lambda k, m, x: fp8jax.accumulate_gradients(loss, k, m, x))(
+        _kernel(), meta, microbatches)
+    # One history entry per step: the max over both microbatches.
+    assert float(meta.x.amax_history[0]) == float(jnp.max(jnp.abs(microbatches)))
+  _assert_ema_scales(meta)
+
+
 def test_user_recipe_runs_linen_layers():
   model = Fp8Dense(8, recipe=RECIPE)
   variables = model.init(jax.random.key(0), jnp.ones((32, 16)))
@@ -154,3 +169,29 @@ def test_a_recipe_that_is_not_a_frozen_dataclass_is_refused():
 
   with pytest.raises(TypeError, match="frozen dataclass"):
     fp8jax.init_dot_meta(Loose())
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerOfTwoByDefault(fp8jax.DelayedScaling):
+  """A recipe of one's own whose defaults differ from fp8jax's."""
+
+  power_of_two: bool = True
+
+
+def test_a_user_recipe_is_saved_with_every_field_its_defaults_could_change(tmp_path):
+  recipe = PowerOfTwoByDefault(power_of_two=False)
+  meta = fp8jax.init_dot_meta(recipe)
+  path = ckpt.save(tmp_path / "c", params={}, opt_state={}, fp8_state={"l": meta})
+  restored = ckpt.restore(path, params={}, opt_state={}, fp8_state={"l": meta},
+                          keep_saved_recipes=True)
+  assert restored["fp8_state"]["l"].x.recipe == recipe  # not the class default True
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeanOfHistory(fp8jax.Recipe):
+  amax_compute_algo: str = "mean"  # no such rule, and window_amax is not overridden
+
+
+def test_a_user_recipe_with_an_invalid_protocol_value_is_refused():
+  with pytest.raises(ValueError, match=r"_MeanOfHistory.amax_compute_algo='mean' is not one of"):
+    fp8jax.init_dot_meta(_MeanOfHistory())

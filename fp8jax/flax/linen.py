@@ -53,7 +53,9 @@ def fp8_variable(module: nn.Module, name: str, init_fn: Callable, *init_args):
     path = "/".join(module.scope.path) or "(top)"
     raise ValueError(
         f"{module.__class__.__name__} at {path!r} keeps FP8 state in the "
-        f"'{FP8_COLLECTION}' collection, which a lifted transform around it does not carry: "
+        f"'{FP8_COLLECTION}' collection, which this call does not have. Pass it to apply "
+        f"(model.apply({{'params': ..., '{FP8_COLLECTION}': variables['{FP8_COLLECTION}']}}, "
+        "...)); and if a lifted transform wraps the layer, "
         f"add '{FP8_COLLECTION}' to its variable_axes, e.g. nn.scan(..., variable_axes="
         f"{{'params': 0, '{FP8_COLLECTION}': 0}}) or nn.vmap(..., variable_axes={{'params': "
         f"0, '{FP8_COLLECTION}': 0}}) for one state per layer or instance, and pass "

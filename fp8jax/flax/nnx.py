@@ -17,7 +17,8 @@ leaves every `Fp8MetaVariable` as it is; put the step's next FP8 state in with
 `nnx.update(model, fp8_state)`. A model with other state (`nnx.Dropout`'s rngs,
 `nnx.BatchNorm`'s statistics) needs it carried too: use
 `fp8jax.flax.nnx_value_and_grad(loss_fn)(model, *args)` under `nnx.jit`, which
-does all of this and updates the model in place, as `nnx.value_and_grad` does. Differentiating the FP8 state itself (e.g.
+does all of this and updates the model in place, as `nnx.value_and_grad` does.
+Differentiating the FP8 state itself (e.g.
 `nnx.grad(..., argnums=nnx.DiffState(0, nnx.Variable))`) raises
 `fp8jax.Fp8StateGradientError` (see `fp8jax.state_gradients`).
 

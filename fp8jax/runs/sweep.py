@@ -12,7 +12,7 @@ every `telemetry_every` steps. Written to `<out>`:
 * `sweep.json`:
 
       {"config": {base settings, "telemetry_every", "predict_size"},
-       "runs": [{"name", "recipe": {"kind": "DelayedScaling" | ... | "module:Class" | "bf16", fields...},
+       "runs": [{"name", "recipe": {"kind": "DelayedScaling" | ... | "bf16", fields...},
                  "knobs": {knob: value}, "final_loss", "rel_gap_vs_bf16", "val_loss",
                  "tokens_per_s", "step_time_s",
                  "telemetry": {role kind: {"median_headroom", "min_headroom",
@@ -193,6 +193,7 @@ def _check_out(out_dir: pathlib.Path, points: list[GridPoint]) -> None:
 
 
 def _recipe_fields(config: RunConfig) -> dict:
+  """The run's recipe as sweep.json records it; a recipe of your own is "module:Class"."""
   recipe = config.recipe_object
   if recipe is None:
     return {"kind": "bf16"}
