@@ -230,6 +230,10 @@ def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta,
           "kernel": tensor_stats(kernel, meta.kernel, "rhs", n_contract)}
 
 
+# float32 log2s of a scale computed as fmt.max / amax differ from 0 by ~1e-6 at most.
+HEADROOM_ROUNDING = 2.0 ** -16
+
+
 def state_stats(fp8_state: Any) -> dict[str, MetaStats]:
   """`MetaStats` of every `Fp8Meta` in an FP8 state, keyed by its path.
 
@@ -238,6 +242,11 @@ def state_stats(fp8_state: Any) -> dict[str, MetaStats]:
   Per role, with `a = amax_history[..., 0]` and `s = scale`:
 
     headroom = log2(fmt.max) - log2(a) - log2(s)     (float32; +inf when a == 0)
+
+  in bits; a value within float32 rounding of 0 (|headroom| < 2**-16: a scale
+  made from this very amax, as delayed scaling with margin 0 makes it) is
+  reported as exactly 0, so a negative headroom means the amax times the scale
+  exceeds fmt.max: that tensor saturates.
 
   Args:
     fp8_state: a pytree of `Fp8Meta`: a linen `variables["fp8_meta"]`, an nnx
@@ -254,6 +263,7 @@ def state_stats(fp8_state: Any) -> dict[str, MetaStats]:
   for path, meta in jax.tree_util.tree_flatten_with_path(fp8_state, is_leaf=is_meta)[0]:
     newest = meta.amax_history[..., 0]
     headroom = jnp.log2(jnp.float32(meta.fmt.max)) - jnp.log2(newest) - jnp.log2(meta.scale)
+    headroom = jnp.where(jnp.abs(headroom) < HEADROOM_ROUNDING, 0.0, headroom)
     stats[_path_string(path) or "meta"] = MetaStats(amax=newest, scale=meta.scale,
                                                    headroom=headroom)
   return stats

@@ -436,3 +436,20 @@ def test_per_row_and_per_block_stats_use_each_blocks_own_scale(recipe, operand, 
   per_tensor = telemetry.tensor_stats(jnp.asarray(x2), fp8jax.init_dot_meta(
       fp8jax.CurrentScaling(fp8_format="e4m3")).x)
   assert float(per_tensor.flushed) > float(stats.flushed)
+
+
+def test_headroom_of_a_scale_made_from_the_newest_amax_is_exactly_zero():
+  # Delayed scaling, margin 0, history 1: the next scale is fmt.max / (the newest amax),
+  # so the newest amax has no headroom and no saturation; float32 log2s of it came out
+  # -4e-7 .. -2e-6 before, which read as "saturating". Amaxes drawn over many decades.
+  recipe = fp8jax.DelayedScaling(amax_history_len=1)
+  amaxes = np.exp(np.random.default_rng(0).uniform(-12, 12, 200)).astype(np.float32)
+  meta = fp8jax.init_meta(recipe, recipe.forward_format)
+  heads = []
+  for a in amaxes:
+    closed = fp8jax.end_step(dataclasses.replace(meta, amax=jnp.float32(a)))
+    heads.append(float(telemetry.state_stats(closed)["meta"].headroom))
+  assert heads == [0.0] * len(amaxes)
+  # A tensor twice as large under that scale saturates: one bit short (float32 log2s).
+  over = dataclasses.replace(closed, amax_history=closed.amax_history * 2)
+  assert float(telemetry.state_stats(over)["meta"].headroom) == pytest.approx(-1.0, abs=2**-16)
