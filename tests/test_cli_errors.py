@@ -56,3 +56,12 @@ def test_the_installed_command_exits_with_the_error_status_not_an_exception(tmp_
                           timeout=120)
   assert result.returncode == train_status, result.stderr
   assert result.stderr.startswith("fp8jax: --hlo '/no/such/module.txt'"), result.stderr
+
+
+def test_inspect_strict_on_a_program_without_gemms_says_so(tmp_path, capsys):
+  hlo = tmp_path / "no_gemm.txt"
+  hlo.write_text("HloModule m\n\nENTRY main {\n  p = f32[4]{0} parameter(0)\n"
+                 "  ROOT a = f32[4]{0} add(p, p)\n}\n")
+  status = main(["inspect", "--hlo", str(hlo), "--strict"])
+  assert status == 1
+  assert "the program has no GEMMs" in capsys.readouterr().err

@@ -152,6 +152,8 @@ def test_conversions_refuse_what_flax_cannot_hold():
     from_flax_fp8_ops({"Dense_0": {"Fp8DirectDotGeneralOp_0": {"input_scale": jnp.ones(1)}}})
   with pytest.raises(TypeError, match="flax_state must be"):
     from_flax_fp8_ops([1, 2])
+  with pytest.raises(ValueError, match=r"whole variables dict; pass .*_overwrite_with_gradient"):
+    from_flax_fp8_ops({"params": {}, "_overwrite_with_gradient": {}})
 
 
 def test_layers_stacked_by_scan_convert_per_layer():

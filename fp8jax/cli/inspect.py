@@ -55,6 +55,11 @@ def _inspect(args) -> int:
     report = lowering.inspect(fn, *fn_args, compiler_options=options, target=args.target,
                               ptx=not args.no_ptx)
   print(report)
+  if args.strict and not report.gemms:
+    print("\nfp8jax: --strict: the program has no GEMMs, so none runs in FP8; inspect the "
+          "function that does the matmuls (e.g. the train step, not a helper).",
+          file=sys.stderr)
+    return 1
   if args.strict and not report.all_fp8:
     print(f"\nnot every GEMM runs in FP8: {report.summary()}", file=sys.stderr)
     return 1

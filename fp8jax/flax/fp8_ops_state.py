@@ -66,6 +66,10 @@ def from_flax_fp8_ops(flax_state: Mapping) -> dict:
     raise TypeError(
         f"flax_state must be Flax's '{FLAX_COLLECTION}' collection (a dict), got "
         f"{type(flax_state).__name__}.")
+  if FLAX_COLLECTION in flax_state:
+    raise ValueError(
+        f"flax_state holds a {FLAX_COLLECTION!r} key: this is a whole variables dict; pass "
+        f"its FP8 collection, from_flax_fp8_ops(variables[{FLAX_COLLECTION!r}]).")
   if _is_flax_layer(flax_state):
     return {META_NAME: _dot_meta_from_flax(flax_state)}
   converted = {}
