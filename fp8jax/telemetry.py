@@ -95,7 +95,7 @@ class MetaStats(NamedTuple):
 
 
 def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
-                 n_contract: int = 1) -> TensorStats:
+                 n_contract: int = 1, contract_axes=None) -> TensorStats:
   """Quantization statistics of `x` under one role's `meta`, as the FP8 op computes q.
 
   With `s` the scale the op uses for each element and `n = x.size`:
@@ -129,6 +129,9 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
       `n_contract` axes), "rhs" for its weight (contracted on its leading ones);
       only the per-row / per-block recipes depend on it.
     n_contract: how many axes the matmul contracts.
+    contract_axes: the axes of x the matmul contracts, where they are not the
+      trailing (lhs) or leading (rhs) `n_contract` ones (e.g. `DenseGeneral(axis=1)`);
+      the per-row / per-block stats then fold x along them, as the op does.
 
   Returns:
     `TensorStats` of float32 scalars.
@@ -147,7 +150,7 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
   fmt = meta.fmt
   x_amax = _amax(x)
   if is_fine_grained(meta.recipe) and x.size:
-    x2 = _as_matrix(x, operand, n_contract)
+    x2 = _as_matrix(x, operand, n_contract, contract_axes)
     quantized = _fine_grained_quantize(x2, meta.recipe, fmt, operand)
     block_scale = _block_scales(x2, quantized, meta.recipe, fmt)
     scale = expand_blocks(block_scale, quantized.block, x2.shape)
@@ -160,8 +163,15 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
   return _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt)
 
 
-def _as_matrix(x, operand, n_contract):
+def _as_matrix(x, operand, n_contract, contract_axes=None):
   """x folded into the GEMM's 2-D operand: [M, K] for "lhs", [K, N] for "rhs"."""
+  if contract_axes is not None:
+    contract = [axis % x.ndim for axis in contract_axes]
+    free = [axis for axis in range(x.ndim) if axis not in contract]
+    k = math.prod(x.shape[axis] for axis in contract)
+    if operand == "lhs":
+      return jnp.transpose(x, free + contract).reshape(-1, k)
+    return jnp.transpose(x, contract + free).reshape(k, -1)
   if not isinstance(n_contract, int) or not 1 <= n_contract <= x.ndim:
     raise ValueError(f"n_contract={n_contract!r} must be an int in [1, {x.ndim}] (x has "
                      f"{x.ndim} axes).")
@@ -212,7 +222,7 @@ def _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt) -> TensorStats
 
 
 def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta,
-              n_contract: int = 1) -> dict[str, TensorStats]:
+              n_contract: int = 1, dimension_numbers=None) -> dict[str, TensorStats]:
   """`tensor_stats` of both forward operands of one FP8 matmul.
 
   Args:
@@ -220,12 +230,18 @@ def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta,
     kernel: the weight passed with it.
     meta: that call's `DotMeta`.
     n_contract: how many trailing axes of x (leading axes of kernel) are contracted.
+    dimension_numbers: the call's `lax.dot_general` dimension numbers, for a
+      contraction over other axes (they take precedence over `n_contract`).
 
   Returns:
     {"x": tensor_stats(x, meta.x, "lhs", n_contract),
      "kernel": tensor_stats(kernel, meta.kernel, "rhs", n_contract)}.
   """
   check_dot_meta(meta, "meta")
+  if dimension_numbers is not None:
+    (x_axes, kernel_axes), _ = dimension_numbers
+    return {"x": tensor_stats(x, meta.x, "lhs", contract_axes=tuple(x_axes)),
+            "kernel": tensor_stats(kernel, meta.kernel, "rhs", contract_axes=tuple(kernel_axes))}
   return {"x": tensor_stats(x, meta.x, "lhs", n_contract),
           "kernel": tensor_stats(kernel, meta.kernel, "rhs", n_contract)}
 

@@ -453,3 +453,39 @@ def test_headroom_of_a_scale_made_from_the_newest_amax_is_exactly_zero():
   # A tensor twice as large under that scale saturates: one bit short (float32 log2s).
   over = dataclasses.replace(closed, amax_history=closed.amax_history * 2)
   assert float(telemetry.state_stats(over)["meta"].headroom) == pytest.approx(-1.0, abs=2**-16)
+
+
+@pytest.mark.parametrize("recipe", [fp8jax.RowwiseScaling(), fp8jax.MXFP8Scaling()],
+                         ids=["rowwise", "mxfp8"])
+def test_per_row_stats_of_a_contraction_over_a_middle_axis_fold_along_that_axis(recipe):
+  """`Fp8DenseGeneral(axis=1)` on x [4, 64, 32] contracts K = 64 over axis 1: each
+  (batch, column) pair is one row of the GEMM's x, scaled over its 64 elements.
+  Reference: the same layer on x with axis 1 moved last (a contraction the stats
+  always folded right), and float64 numpy for the rowwise SNR."""
+  from fp8_reference import quantize_reference
+
+  x = jax.random.normal(jax.random.key(7), (4, 64, 32), jnp.float32)
+  x = x * jnp.exp(jax.random.normal(jax.random.key(8), (4, 1, 32)))  # rows of other ranges
+
+  def stats(module, x):
+    variables = module.init(jax.random.key(0), x)
+    with linen_tensor_stats():
+      _, logged = module.apply(variables, x, mutable=["fp8_meta",
+                                                      telemetry.TELEMETRY_COLLECTION])
+    return jax.tree.leaves(logged[telemetry.TELEMETRY_COLLECTION]["x"],
+                           is_leaf=lambda s: isinstance(s, telemetry.TensorStats))[0]
+
+  middle = stats(fp8nn.Fp8DenseGeneral(16, axis=1, recipe=recipe), x)
+  last = stats(fp8nn.Fp8DenseGeneral(16, axis=-1, recipe=recipe), jnp.swapaxes(x, 1, 2))
+  for field in ("snr_db", "saturated", "flushed"):
+    np.testing.assert_allclose(float(getattr(middle, field)), float(getattr(last, field)),
+                               rtol=1e-6, err_msg=field)  # same numbers, summed in another order
+  if isinstance(recipe, fp8jax.RowwiseScaling):
+    rows = np.moveaxis(np.asarray(x, np.float64), 1, 2).reshape(-1, 64)
+    amax = np.abs(rows).max(axis=1, keepdims=True)
+    scale = np.float32(448.0) / amax.astype(np.float32)
+    error = sum(np.sum((row - quantize_reference(row, s, "e4m3") / np.float64(s)) ** 2)
+                for row, s in zip(rows, scale[:, 0]))
+    want = 10 * np.log10(np.sum(rows ** 2) / error)
+    # float32 accumulation of the two sums in fp8jax against float64 here: 1e-3 dB.
+    assert float(middle.snr_db) == pytest.approx(want, abs=1e-3)

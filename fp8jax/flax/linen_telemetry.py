@@ -54,23 +54,27 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
     x = args[0] if len(args) > 0 else kwargs["lhs"]
     kernel = args[1] if len(args) > 1 else kwargs["rhs"]
     dimension_numbers = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
-    n_contract = len(dimension_numbers[0][0])
   else:
     x = args[0] if args else kwargs["x"]
     kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
     x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
-    n_contract = _contracted_axes(module, x, kernel)
-  for role, stats in dot_stats(x, kernel, meta, n_contract).items():
+    dimension_numbers = _contraction(module, x, kernel)
+  for role, stats in dot_stats(x, kernel, meta, dimension_numbers=dimension_numbers).items():
     module.sow(TELEMETRY_COLLECTION, role, stats)
   return out
 
 
-def _contracted_axes(module, x, kernel) -> int:
-  """How many axes the layer's matmul contracts (what per-row / per-block stats fold by)."""
+def _contraction(module, x, kernel):
+  """The layer's contracting axes as dot_general dimension numbers ((x axes, kernel axes),
+  ((), ())): what the per-row / per-block stats fold x and the kernel along."""
   if isinstance(module, fp8nn.Fp8DenseGeneral):
-    return len(module.axis) if isinstance(module.axis, (tuple, list)) else 1
+    axis = module.axis if isinstance(module.axis, (tuple, list)) else (module.axis,)
+    x_axes = tuple(a % x.ndim for a in axis)
+    return (x_axes, tuple(range(len(x_axes)))), ((), ())
   if isinstance(module, fp8nn.Fp8Einsum):
     x_labels, k_labels, out_labels = parse_two_operand_subscripts(module.einsum_str, x.ndim,
                                                                   kernel.ndim)
-    return max(1, sum(1 for label in x_labels if label in k_labels and label not in out_labels))
-  return 1
+    contracted = [label for label in x_labels if label in k_labels and label not in out_labels]
+    return ((tuple(x_labels.index(l) for l in contracted),
+             tuple(k_labels.index(l) for l in contracted)), ((), ()))
+  return ((x.ndim - 1,), (0,)), ((), ())
