@@ -5,6 +5,8 @@ slice of the standard library's source), so each run takes seconds on a CPU.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import pathlib
@@ -154,6 +156,20 @@ def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
     # A drawn figure: many distinct colours, not a blank canvas.
     assert image.shape[0] > 200 and len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 20
   assert "delayed" in runs.table(report) and "%" in runs.table(report)
+
+  # Resuming the finished comparison reloads it: with its own settings (as the CLI takes
+  # them from the checkpoints) it reports the same; with other settings it refuses.
+  saved_settings = runs.checkpoints.saved_config(
+      runs.checkpoints.complete(tmp_path / "bf16")[-1])[0]
+  again = runs.compare(saved_settings, tmp_path, recipes=("bf16", "delayed", "current"),
+                       progress=False, resume=True)
+  assert again["runs"] == report["runs"] and again["config"] == report["config"]
+  assert again["config"]["schedule_steps"] is None  # as the uninterrupted run wrote it
+  for changed, message in (({"batch": SMALL["batch"] * 2}, "batch="),
+                           ({"steps": 12}, "finished at step 24")):
+    with pytest.raises(runs.RunError, match=message):
+      runs.compare(dataclasses.replace(saved_settings, **changed), tmp_path,
+                   recipes=("bf16", "delayed", "current"), progress=False, resume=True)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,6 +1,8 @@
 """`fp8jax compare`: the demo GPT trained in bf16 and in each FP8 recipe, side by side."""
 from __future__ import annotations
 
+import sys
+
 from fp8jax.cli.run_options import add_run_options, config_from, run_guarded
 
 
@@ -30,6 +32,9 @@ def run(args) -> int:
     if args.resume:
       found = [c for r in recipes for c in checkpoints.complete(f"{args.out}/{r}")[-1:]]
       base = checkpoints.saved_config(found[0])[0] if found else None
+      if not found:
+        print(f"fp8jax: --resume: {args.out!r} holds no comparison yet; starting one.",
+              file=sys.stderr)
     config = config_from(args, "bf16", base=base)
     report = runs.compare(config, args.out, recipes=recipes, resume=args.resume)
     print(runs.table(report))

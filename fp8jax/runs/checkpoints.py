@@ -62,6 +62,18 @@ def saved_config(path) -> tuple[RunConfig, int]:
   return RunConfig.from_dict(metadata["config"]), int(metadata["step"])
 
 
+def check_same_run(path, config: RunConfig) -> None:
+  """Raises RunError unless `config` continues the run that wrote checkpoint `path`: the
+  same model, data, optimizer and recipe (the step count and intervals may differ)."""
+  saved, _ = saved_config(path)
+  for field in MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS + ("recipe",):
+    if getattr(saved, field) != getattr(config, field):
+      raise RunError(
+          f"checkpoint {str(path)!r} is from a run with {field}={getattr(saved, field)!r}, "
+          f"this run has {field}={getattr(config, field)!r}; pass the same "
+          f"--{field.replace('_', '-')} (or start another --out directory).")
+
+
 def restore(path, config: RunConfig, corpus, continuing: bool):
   """(params, opt_state, fp8_state, step) from an fp8jax run's checkpoint for `config`.
 
@@ -78,8 +90,9 @@ def restore(path, config: RunConfig, corpus, continuing: bool):
     RunError: a checkpoint that does not fit, named with what differs.
   """
   saved, step = saved_config(path)
-  fields = MODEL_FIELDS + DATA_FIELDS + (OPTIMIZER_FIELDS + ("recipe",) if continuing else ())
-  for field in fields:
+  if continuing:
+    check_same_run(path, config)
+  for field in MODEL_FIELDS + DATA_FIELDS:
     if getattr(saved, field) != getattr(config, field):
       raise RunError(
           f"checkpoint {str(path)!r} is from a run with {field}={getattr(saved, field)!r}, "

@@ -54,6 +54,12 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
     run_config = config.replace(recipe=recipe)
     found = checkpoints.complete(out_dir / recipe)
     if found and checkpoints.saved_config(found[-1])[1] >= config.steps:
+      # A finished run is only reloaded: it must be the run these options describe.
+      checkpoints.check_same_run(found[-1], run_config)
+      finished_at = checkpoints.saved_config(found[-1])[1]
+      if finished_at != config.steps:
+        raise RunError(f"{str(out_dir / recipe)!r} finished at step {finished_at}; pass "
+                       f"--steps {finished_at} to report it (or more steps to continue it).")
       results[recipe] = _finished(run_config, out_dir / recipe)
     else:
       results[recipe] = train(run_config, out_dir / recipe, progress=progress,
@@ -67,8 +73,10 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
                  "val_loss": result.val_losses[max(result.val_losses)],
                  "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s,
                  "attention_backend": result.attention_backend})
-  report = {"config": {k: v for k, v in config.to_dict().items() if k != "recipe"},
-            "runs": runs}
+  settings = {k: v for k, v in config.to_dict().items() if k != "recipe"}
+  if settings.get("schedule_steps") == config.steps:
+    settings["schedule_steps"] = None  # the default (the run's steps), as a fresh run says
+  report = {"config": settings, "runs": runs}
   curves = {recipe: [result.out_dir / metrics.FILE] for recipe, result in results.items()}
   written = [plots.loss_curves(curves, out_dir / "compare.png")]
   fp8_runs = [r for r in recipes if r != "bf16"]
