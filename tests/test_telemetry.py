@@ -489,3 +489,34 @@ def test_per_row_stats_of_a_contraction_over_a_middle_axis_fold_along_that_axis(
     want = 10 * np.log10(np.sum(rows ** 2) / error)
     # float32 accumulation of the two sums in fp8jax against float64 here: 1e-3 dB.
     assert float(middle.snr_db) == pytest.approx(want, abs=1e-3)
+
+
+def test_fp8_model_layers_sow_the_stats_of_the_same_model_written_with_fp8jax_layers():
+  from fp8jax.flax import Fp8Model
+
+  recipe = fp8jax.RowwiseScaling()
+
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name="out")(nn.relu(nn.DenseGeneral(32, axis=1, name="up")(x)))
+
+  class Written(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = fp8nn.Fp8DenseGeneral(32, axis=1, recipe=recipe, name="up")(x)
+      return fp8nn.Fp8Dense(16, recipe=recipe, name="out")(nn.relu(h))
+
+  x = jax.random.normal(jax.random.key(3), (4, 24, 8)) * 3
+  converted = Fp8Model(Plain(), layer_filter=lambda layer: True, recipe=recipe)
+  variables = converted.init(jax.random.key(4), x)
+
+  def sown(apply):
+    with linen_tensor_stats():
+      _, updates = apply(variables, x, mutable=["fp8_meta", telemetry.TELEMETRY_COLLECTION])
+    return updates[telemetry.TELEMETRY_COLLECTION]
+
+  got, want = sown(converted.apply), sown(Written().apply)  # same params and state
+  assert set(got) == {"up", "out"}
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

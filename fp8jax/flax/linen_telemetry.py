@@ -15,8 +15,9 @@ def linen_tensor_stats():
   """A context in which fp8jax's linen FP8 layers sow `dot_stats` of each call.
 
   Inside it, every call of `Fp8Dense`, `Fp8DenseGeneral`, `Fp8Einsum` and
-  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too) whose module can
-  write the "fp8_telemetry" collection sows
+  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too), and of the
+  `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers an `fp8jax.flax.Fp8Model`
+  runs in FP8, whose module can write the "fp8_telemetry" collection sows
   `tensor_stats(x, meta.x)` under the name "x" and `tensor_stats(kernel,
   meta.kernel)` under "kernel" (x and kernel after the layer's dtype
   promotion, i.e. the tensors its FP8 op quantizes). Linen's `sow` keeps a
@@ -42,9 +43,7 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
   """The `linen_tensor_stats` interceptor: runs the layer, then sows its operands' stats."""
   module = context.module
   out = next_fun(*args, **kwargs)
-  if (context.method_name != "__call__"
-      or not isinstance(module, (fp8nn.Fp8Dense, fp8nn.Fp8DenseGeneral, fp8nn.Fp8Einsum,
-                                 fp8nn.Fp8DotGeneral))
+  if (context.method_name != "__call__" or not _runs_in_fp8(module)
       or module.is_initializing() or not module.is_mutable_collection(TELEMETRY_COLLECTION)):
     return out
   # Within a step only the running amax of a meta changes, so the meta read
@@ -55,7 +54,7 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
     kernel = args[1] if len(args) > 1 else kwargs["rhs"]
     dimension_numbers = args[2] if len(args) > 2 else kwargs["dimension_numbers"]
   else:
-    x = args[0] if args else kwargs["x"]
+    x = args[0] if args else kwargs.get("x", kwargs.get("inputs"))
     kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
     x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
     dimension_numbers = _contraction(module, x, kernel)
@@ -64,14 +63,27 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
   return out
 
 
+_FP8_LAYERS = (fp8nn.Fp8Dense, fp8nn.Fp8DenseGeneral, fp8nn.Fp8Einsum, fp8nn.Fp8DotGeneral)
+# The Flax layers `fp8jax.flax.Fp8Model` converts; FP8 where they hold FP8 state.
+_CONVERTED_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+
+
+def _runs_in_fp8(module) -> bool:
+  if isinstance(module, _FP8_LAYERS):
+    return True
+  return (isinstance(module, _CONVERTED_LAYERS)
+          and module.has_variable(fp8nn.FP8_COLLECTION, "dot_meta")
+          and getattr(module, "einsum_str", "") is not None)  # nn.Einsum's given at init
+
+
 def _contraction(module, x, kernel):
   """The layer's contracting axes as dot_general dimension numbers ((x axes, kernel axes),
   ((), ())): what the per-row / per-block stats fold x and the kernel along."""
-  if isinstance(module, fp8nn.Fp8DenseGeneral):
+  if isinstance(module, (fp8nn.Fp8DenseGeneral, nn.DenseGeneral)):
     axis = module.axis if isinstance(module.axis, (tuple, list)) else (module.axis,)
     x_axes = tuple(a % x.ndim for a in axis)
     return (x_axes, tuple(range(len(x_axes)))), ((), ())
-  if isinstance(module, fp8nn.Fp8Einsum):
+  if isinstance(module, (fp8nn.Fp8Einsum, nn.Einsum)):
     x_labels, k_labels, out_labels = parse_two_operand_subscripts(module.einsum_str, x.ndim,
                                                                   kernel.ndim)
     contracted = [label for label in x_labels if label in k_labels and label not in out_labels]
