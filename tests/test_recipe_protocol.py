@@ -92,6 +92,25 @@ def test_user_recipe_runs_fp8_einsum():
   _assert_ema_scales(_steps(loss, _kernel(), fp8jax.init_dot_meta(RECIPE)))
 
 
+def test_user_recipe_runs_fp8_attention():
+  batch, seq, heads, head_dim = 2, 32, 2, 64
+  meta = fp8jax.init_attention_meta(RECIPE)
+
+  def loss(_, meta, x):
+    q = k = v = x.reshape(batch, seq, heads, head_dim).astype(jnp.bfloat16)
+    out, meta = fp8jax.fp8_attention(q, k, v, meta, causal=True, backend="xla")
+    return jnp.sum(out.astype(jnp.float32) ** 2), meta
+
+  step = jax.jit(fp8jax.value_and_grad(loss))
+  for i, gain in enumerate(GAINS):
+    x = jax.random.normal(jax.random.key(i), (batch * seq, heads * head_dim)) * gain
+    _, _, meta = step(jnp.zeros(()), meta, x)
+  for role in (meta.q, meta.k, meta.v, meta.o, meta.grad):
+    history = np.asarray(role.amax_history, np.float64)
+    assert np.count_nonzero(history) == len(GAINS)
+    np.testing.assert_allclose(float(role.scale), _ema_scale(history, role.fmt.max), rtol=1e-6)
+
+
 def test_user_recipe_runs_gradient_accumulation():
   def loss(kernel, meta, x):
     y, meta = fp8jax.fp8_dense(x, kernel, None, meta)
