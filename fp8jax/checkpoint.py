@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import importlib
 import json
 import os
 import pathlib
@@ -86,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import recipes as recipes_module
+from fp8jax.recipes import import_recipe_class, recipe_kind
 from fp8jax.formats import E4M3, E5M2
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta
 
@@ -161,13 +161,6 @@ def describe_recipe(recipe) -> dict:
   return {"kind": kind, **fields}
 
 
-def recipe_kind(cls: type) -> str:
-  """How a checkpoint names a recipe class: "DelayedScaling", or "module:QualifiedName"."""
-  if getattr(recipes_module, cls.__name__, None) is cls:
-    return cls.__name__
-  return f"{cls.__module__}:{cls.__qualname__}"
-
-
 def recipe_from_description(description: dict):
   """The recipe object a `describe_recipe` dictionary describes."""
   fields = {name: tuple(value) if isinstance(value, list) else value  # lists from JSON
@@ -177,27 +170,6 @@ def recipe_from_description(description: dict):
   if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
     raise ValueError(f"checkpoint names an unknown FP8 recipe kind {kind!r}.")
   return cls(**fields)
-
-
-def import_recipe_class(name: str) -> type:
-  """The recipe class `name` ("module:QualifiedName") names, imported.
-
-  Raises:
-    ValueError: the module or class cannot be found, or it is not a recipe class.
-  """
-  module_name, _, qualname = name.partition(":")
-  try:
-    found = importlib.import_module(module_name)
-    for attribute in qualname.split("."):
-      found = getattr(found, attribute)
-  except (ImportError, AttributeError) as error:
-    raise ValueError(
-        f"the FP8 recipe {name!r} cannot be imported ({type(error).__name__}: {error}); "
-        "make its module importable (installed, or on sys.path / PYTHONPATH) and define "
-        "the class at module level.") from None
-  if not (isinstance(found, type) and issubclass(found, recipes_module.Recipe)):
-    raise ValueError(f"{name!r} is {found!r}, not a subclass of fp8jax.Recipe.")
-  return found
 
 
 def _array_spec(leaf) -> str:

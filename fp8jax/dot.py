@@ -120,12 +120,19 @@ def _reused_kernel(kernel, meta, layout):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fp8_dot(x, kernel, meta, reused, dims, kernel_dtype, layout):
   out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
-  return out, amaxes_unbatched_like(meta, new_meta)
+  return out, new_meta
 
 
 def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
   if layout is not None:
-    return _matrix_fwd(x, kernel, meta, reused, layout)
+    out, new_meta, residuals = _matrix_fwd(x, kernel, meta, reused, layout)
+  else:
+    out, new_meta, residuals = _general_fwd(x, kernel, meta, dims)
+  # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.amax.unbatched_like).
+  return out, amaxes_unbatched_like(meta, new_meta), residuals
+
+
+def _general_fwd(x, kernel, meta, dims):
   qx, scale_x, meta_x = quantize_with_meta(x, meta.x)
   qk, scale_k, meta_k = quantize_with_meta(kernel, meta.kernel)
   scale_inv_x, scale_inv_k = descale(meta.x, scale_x), descale(meta.kernel, scale_k)
@@ -145,7 +152,7 @@ def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
 
 def _fp8_dot_fwd(x, kernel, meta, reused, dims, kernel_dtype, layout):
   out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
-  return (out, amaxes_unbatched_like(meta, new_meta)), residuals
+  return (out, new_meta), residuals
 
 
 def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):

@@ -82,17 +82,6 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   return out.reshape(*batch_shape, *m_shape, *n_shape), new_meta
 
 
-# ----- Quantization of one GEMM operand along its contraction axis ------------------------
-
-
-def quantize_operand(t: jax.Array, recipe, fmt, axis: int, weight: bool) -> BlockQuantized:
-  """`t [..., R, C]` quantized along the contraction `axis` (-1: C, -2: R) as `recipe` says.
-
-  `weight` marks the kernel, which `BlockScaling` quantizes in B x B blocks.
-  """
-  return recipe.quantize_operand(t, fmt, axis, weight)
-
-
 # ----- The GEMMs ---------------------------------------------------------------------------
 
 
@@ -146,11 +135,6 @@ def pallas_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Ar
                       "gemm='emulated', which takes any shape.") from error
 
 
-def fp8_gemm(a: BlockQuantized, b: BlockQuantized, recipe, out_dtype) -> jax.Array:
-  """The GEMM of two operands quantized along their contraction axis, as `recipe` runs it."""
-  return recipe.operand_gemm(a, b, out_dtype)
-
-
 def _high_precision_dot(a: jax.Array, b: jax.Array) -> jax.Array:
   """`a [..., P, C] @ b [..., C, Q]` unquantized, in `a`'s dtype (b is cast to it, so a
   bf16 activation with a float32 kernel is a bf16 GEMM, as the FP8 path's output is)."""
@@ -163,7 +147,7 @@ def _high_precision_dot(a: jax.Array, b: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fine_grained_matmul(x, kernel, meta, kernel_dtype):
   out, new_meta, _ = _forward(x, kernel, meta)
-  return out, amaxes_unbatched_like(meta, new_meta)
+  return out, new_meta
 
 
 def _forward(x, kernel, meta):
@@ -176,24 +160,24 @@ def _forward(x, kernel, meta):
     if "fprop" in high:
       out = _high_precision_dot(x, kernel)
     else:
-      x_fprop = quantize_operand(x, recipe, meta.x.fmt, axis=-1, weight=False)
-      k_fprop = quantize_operand(kernel, recipe, meta.kernel.fmt, axis=-2, weight=True)
-      out = fp8_gemm(x_fprop, k_fprop, recipe, x.dtype)
+      x_fprop = recipe.quantize_operand(x, meta.x.fmt, axis=-1, weight=False)
+      k_fprop = recipe.quantize_operand(kernel, meta.kernel.fmt, axis=-2, weight=True)
+      out = recipe.operand_gemm(x_fprop, k_fprop, x.dtype)
   # What the backward GEMMs read of x and the kernel, quantized here (FP8 residuals).
   if "dgrad" in high:
     k_dgrad = kernel
   elif recipe.kernel_blocks_serve_dgrad and k_fprop is not None:
     k_dgrad = k_fprop  # B x B blocks are the same blocks of k^T
   else:
-    k_dgrad = quantize_operand(kernel, recipe, meta.kernel.fmt, axis=-1, weight=True)
-  x_wgrad = x if "wgrad" in high else quantize_operand(x, recipe, meta.x.fmt, axis=-2,
-                                                       weight=False)
-  return out, new_meta, (x_wgrad, k_dgrad, meta.grad)
+    k_dgrad = recipe.quantize_operand(kernel, meta.kernel.fmt, axis=-1, weight=True)
+  x_wgrad = x if "wgrad" in high else recipe.quantize_operand(x, meta.x.fmt, axis=-2,
+                                                              weight=False)
+  return out, amaxes_unbatched_like(meta, new_meta), (x_wgrad, k_dgrad, meta.grad)
 
 
 def _fine_grained_fwd(x, kernel, meta, kernel_dtype):
   out, new_meta, residuals = _forward(x, kernel, meta)
-  return (out, amaxes_unbatched_like(meta, new_meta)), residuals
+  return (out, new_meta), residuals
 
 
 def _fine_grained_bwd(kernel_dtype, residuals, cotangents):
@@ -204,14 +188,14 @@ def _fine_grained_bwd(kernel_dtype, residuals, cotangents):
     if "dgrad" in high:
       dx = _high_precision_dot(g, jnp.swapaxes(k_dgrad, -1, -2)).astype(g.dtype)
     else:
-      g_dgrad = quantize_operand(g, recipe, fmt, axis=-1, weight=False)
-      dx = fp8_gemm(g_dgrad, k_dgrad.transpose(), recipe, g.dtype)
+      g_dgrad = recipe.quantize_operand(g, fmt, axis=-1, weight=False)
+      dx = recipe.operand_gemm(g_dgrad, k_dgrad.transpose(), g.dtype)
   with jax.named_scope("fp8_wgrad"):
     if "wgrad" in high:
       dk = _high_precision_dot(jnp.swapaxes(x_wgrad, -1, -2), g).astype(kernel_dtype)
     else:
-      g_wgrad = quantize_operand(g, recipe, fmt, axis=-2, weight=False)
-      dk = fp8_gemm(x_wgrad.transpose(), g_wgrad, recipe, kernel_dtype)
+      g_wgrad = recipe.quantize_operand(g, fmt, axis=-2, weight=False)
+      dk = recipe.operand_gemm(x_wgrad.transpose(), g_wgrad, kernel_dtype)
   grad_cotangent = record_amax(meta_cotangent.grad, amax(g))
   return dx, dk, amaxes_unbatched_like(
       meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent))

@@ -256,7 +256,7 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fp8_attention(q, k, v, meta, q_seg, kv_seg, call):
   out, new_meta, _ = _fp8_forward(q, k, v, meta, q_seg, kv_seg, call)
-  return out, amaxes_unbatched_like(meta, new_meta)
+  return out, new_meta
 
 
 def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
@@ -284,7 +284,7 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
   new_meta = dataclasses.replace(meta, q=meta_q, k=meta_k, v=meta_v,
                                  o=record_amax(meta.o, out_amax))
   residuals = (q8, k8, v8, descales, out, lse, q_seg, kv_seg)
-  return out.astype(q.dtype), new_meta, residuals
+  return out.astype(q.dtype), amaxes_unbatched_like(meta, new_meta), residuals
 
 
 def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
@@ -348,7 +348,7 @@ def _dequantized(tensors8, descales, dtype):
 
 def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
   out, new_meta, residuals = _fp8_forward(q, k, v, meta, q_seg, kv_seg, call)
-  return (out, amaxes_unbatched_like(meta, new_meta)), residuals
+  return (out, new_meta), residuals
 
 
 def _fp8_attention_bwd(call, residuals, cotangents):

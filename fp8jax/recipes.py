@@ -31,6 +31,7 @@ wherever a built-in one does. README "Write your own recipe" has an example.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.validation import check_int
@@ -417,6 +418,34 @@ def _check_protocol_values(recipe) -> None:
     if not isinstance(getattr(recipe, role), Fp8Format):
       raise TypeError(f"{name}.{role} must be an fp8jax.Fp8Format (E4M3 or E5M2), got "
                       f"{getattr(recipe, role)!r}.")
+
+
+def recipe_kind(cls: type) -> str:
+  """How a checkpoint names a recipe class: "DelayedScaling", or "module:QualifiedName"."""
+  if cls in RECIPE_CLASSES:
+    return cls.__name__
+  return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def import_recipe_class(name: str) -> type:
+  """The recipe class `name` ("module:QualifiedName") names, imported.
+
+  Raises:
+    ValueError: the module or class cannot be found, or it is not a recipe class.
+  """
+  module_name, _, qualname = name.partition(":")
+  try:
+    found = importlib.import_module(module_name)
+    for attribute in qualname.split("."):
+      found = getattr(found, attribute)
+  except (ImportError, AttributeError) as error:
+    raise ValueError(
+        f"the FP8 recipe {name!r} cannot be imported ({type(error).__name__}: {error}); "
+        "make its module importable (installed, or on sys.path / PYTHONPATH) and define "
+        "the class at module level.") from None
+  if not (isinstance(found, type) and issubclass(found, Recipe)):
+    raise ValueError(f"{name!r} is {found!r}, not a subclass of fp8jax.Recipe.")
+  return found
 
 
 def is_flax_fp8_ops_recipe(recipe) -> bool:

@@ -151,8 +151,11 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
   x_amax = _amax(x)
   if is_fine_grained(meta.recipe) and x.size:
     x2 = _as_matrix(x, operand, n_contract, contract_axes)
-    quantized = _fine_grained_quantize(x2, meta.recipe, fmt, operand)
-    block_scale = _block_scales(x2, quantized, meta.recipe, fmt)
+    # The forward GEMM's quantization of this operand along its contraction axis, and the
+    # multipliers it applied per block (`Recipe.operand_scales`, not 1 / scale_inv).
+    axis = -1 if operand == "lhs" else -2
+    quantized = meta.recipe.quantize_operand(x2, fmt, axis, weight=operand == "rhs")
+    block_scale = meta.recipe.operand_scales(x2, quantized, fmt)
     scale = expand_blocks(block_scale, quantized.block, x2.shape)
     q, x, dequantized = quantized.q, x2, dequantize_blocks(quantized)
     reported_scale = jnp.min(block_scale)
@@ -178,19 +181,6 @@ def _as_matrix(x, operand, n_contract, contract_axes=None):
   if operand == "lhs":
     return x.reshape(-1, math.prod(x.shape[x.ndim - n_contract:]))
   return x.reshape(math.prod(x.shape[:n_contract]), -1)
-
-
-def _fine_grained_quantize(x2, recipe, fmt, operand):
-  """The forward GEMM's quantization of one operand under a per-row / per-block recipe."""
-  axis = -1 if operand == "lhs" else -2  # the contraction axis of the 2-D operand
-  return recipe.quantize_operand(x2, fmt, axis, weight=operand == "rhs")
-
-
-def _block_scales(x2, quantized, recipe, fmt):
-  """The multipliers the quantizer applied per block (not 1 / scale_inv, which can be
-  an ulp off): `fmt.max / amax` as `fp8jax.block_quantize` forms it; MX's are powers
-  of two, whose reciprocals are exact."""
-  return recipe.operand_scales(x2, quantized, fmt)
 
 
 def _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt) -> TensorStats:

@@ -31,7 +31,7 @@ import fp8jax.checkpoint as ckpt
 from fp8jax import block_quantize as bq
 from fp8jax import lowering
 from fp8jax.deviceless import deviceless_toolchain_missing
-from fp8jax.fine_grained_dot import emulated_block_gemm, quantize_operand
+from fp8jax.fine_grained_dot import emulated_block_gemm
 from fp8jax.flax import linen as fp8nn
 from fp8jax.lowering import GemmKind
 from fp8_reference import FORMAT_TABLE
@@ -188,8 +188,8 @@ def test_block_emulation_equals_block_scaled_matmul_reference_on_the_same_operan
   # K = 300 (a partial last 128 chunk), N = 200 (a partial last 128 block).
   x, kernel, _ = problem(5, 48, 300, 200)
   recipe = fp8jax.BlockScaling()
-  a = quantize_operand(jnp.asarray(x), recipe, fp8jax.E4M3, axis=-1, weight=False)
-  b = quantize_operand(jnp.asarray(kernel), recipe, fp8jax.E4M3, axis=-2, weight=True)
+  a = recipe.quantize_operand(jnp.asarray(x), fp8jax.E4M3, axis=-1, weight=False)
+  b = recipe.quantize_operand(jnp.asarray(kernel), fp8jax.E4M3, axis=-2, weight=True)
   got = np.asarray(emulated_block_gemm(a, b, jnp.float32), np.float64)
   want = np.asarray(block_scaled_matmul_reference(a.q, a.scale_inv, b.q.T, b.scale_inv.T,
                                                   jnp.float32), np.float64)
@@ -343,7 +343,7 @@ def test_pallas_hopper_gemm_hands_the_kernel_its_layout(monkeypatch):
   b = bq.quantize_blocks(w, fp8jax.E4M3, (128, 128))
   recipe = fp8jax.BlockScaling(gemm="pallas_hopper")
   with pytest.warns(UserWarning, match="not yet been validated"):
-    got = fine_grained_dot.fp8_gemm(a, b, recipe, jnp.float32)
+    got = recipe.operand_gemm(a, b, jnp.float32)
   want = emulated_block_gemm(a, b, jnp.float32)
   bound = 2 * 256 * 2.0**-24 * (np.abs(bq.dequantize_blocks(a)) @ np.abs(bq.dequantize_blocks(b)))
   assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= bound)

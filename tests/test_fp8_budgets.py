@@ -32,45 +32,51 @@ DELAYED, CURRENT = fp8jax.DelayedScaling(), fp8jax.CurrentScaling()
 spec = jax.ShapeDtypeStruct
 
 
+def fp8_stack_loss(params, fp8_state, x):
+  """The loss of a stack of FP8 dense layers (kernels `params`, one meta each)."""
+  new_state = []
+  for kernel, meta in zip(params, fp8_state):
+    x, meta = fp8jax.fp8_dense(x, kernel, None, meta)
+    new_state.append(meta)
+  return jnp.mean(x.astype(jnp.float32) ** 2), new_state
+
+
+def bf16_stack_loss(params, x):
+  """`fp8_stack_loss` in bf16."""
+  for kernel in params:
+    x = x @ kernel
+  return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
 def _stack_step(layers, recipe, width=1024, tokens=2048):
   """A train step (value and gradient) of `layers` square dense layers, and its args."""
-
-  def fp8_loss(params, fp8_state, x):
-    new_state = []
-    for kernel, meta in zip(params, fp8_state):
-      x, meta = fp8jax.fp8_dense(x, kernel, None, meta)
-      new_state.append(meta)
-    return jnp.mean(x.astype(jnp.float32) ** 2), new_state
-
-  def bf16_loss(params, x):
-    for kernel in params:
-      x = x @ kernel
-    return jnp.mean(x.astype(jnp.float32) ** 2)
-
   params = [spec((width, width), jnp.bfloat16)] * layers
   x = spec((tokens, width), jnp.bfloat16)
   if recipe is None:
-    return jax.value_and_grad(bf16_loss), (params, x)
+    return jax.value_and_grad(bf16_stack_loss), (params, x)
   state = jax.eval_shape(lambda: [fp8jax.init_dot_meta(recipe) for _ in range(layers)])
-  return fp8jax.value_and_grad(fp8_loss), (params, state, x)
+  return fp8jax.value_and_grad(fp8_stack_loss), (params, state, x)
+
+
+def bf16_dense_step(x, kernel, g):
+  """One bf16 dense layer forward+backward with output gradient g (benchmarks/dense.py)."""
+  y, vjp = jax.vjp(lambda x, k: x @ k, x, kernel)
+  return y, vjp(g)
+
+
+def fp8_dense_step(x, kernel, g, meta):
+  """`bf16_dense_step` with `fp8_dense`, closing the step's FP8 state."""
+  (y, meta), vjp = jax.vjp(lambda x, k, m: fp8jax.fp8_dense(x, k, None, m), x, kernel, meta)
+  dx, dk, meta_cotangent = vjp((g, jax.tree.map(jnp.zeros_like, meta)))
+  return y, (dx, dk), fp8jax.close_step(meta, meta_cotangent)
 
 
 def _dense_steps(n, recipe):
   """benchmarks/dense.py's steps: one `fp8_dense` forward+backward, and bf16's."""
   x = spec((n, n), jnp.bfloat16)
-
-  def bf16_step(x, kernel, g):
-    y, vjp = jax.vjp(lambda x, k: x @ k, x, kernel)
-    return y, vjp(g)
-
-  def fp8_step(x, kernel, g, meta):
-    (y, meta), vjp = jax.vjp(lambda x, k, m: fp8jax.fp8_dense(x, k, None, m), x, kernel, meta)
-    dx, dk, meta_cotangent = vjp((g, jax.tree.map(jnp.zeros_like, meta)))
-    return y, (dx, dk), fp8jax.close_step(meta, meta_cotangent)
-
   meta = jax.eval_shape(lambda: fp8jax.init_dot_meta(recipe))
-  fp8 = cost(fp8_step, x, x, x, meta, target="deviceless", label="fp8")
-  bf16 = cost(bf16_step, x, x, x, target="deviceless", label="bf16")
+  fp8 = cost(fp8_dense_step, x, x, x, meta, target="deviceless", label="fp8")
+  bf16 = cost(bf16_dense_step, x, x, x, target="deviceless", label="bf16")
   return fp8, bf16
 
 

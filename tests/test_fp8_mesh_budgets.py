@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fp8jax
 from fp8jax import deviceless
 from fp8jax.lowering.cost import cost
+from test_fp8_budgets import bf16_dense_step, bf16_stack_loss, fp8_dense_step, fp8_stack_loss
 
 _MISSING = deviceless.deviceless_toolchain_missing()
 pytestmark = [pytest.mark.hopper, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
@@ -46,22 +47,12 @@ def _replicated_state(mesh, state):
 
 def _dense_steps(rows, width, recipe, mesh, x_spec, kernel_spec, g_spec=P("data", None)):
   """One `fp8_dense` forward+backward with its state update, and the bf16 step."""
-
-  def bf16_step(x, kernel, g):
-    y, vjp = jax.vjp(lambda x, k: x @ k, x, kernel)
-    return y, vjp(g)
-
-  def fp8_step(x, kernel, g, meta):
-    (y, meta), vjp = jax.vjp(lambda x, k, m: fp8jax.fp8_dense(x, k, None, m), x, kernel, meta)
-    dx, dk, meta_cotangent = vjp((g, jax.tree.map(jnp.zeros_like, meta)))
-    return y, (dx, dk), fp8jax.close_step(meta, meta_cotangent)
-
   x = _spec(mesh, (rows, width), x_spec)
   kernel = _spec(mesh, (width, width), kernel_spec)
   g = _spec(mesh, (rows, width), g_spec)  # the output gradient, sharded as the output
   meta = _replicated_state(mesh, jax.eval_shape(lambda: fp8jax.init_dot_meta(recipe)))
-  fp8 = cost(fp8_step, x, kernel, g, meta, target="deviceless", label="fp8")
-  bf16 = cost(bf16_step, x, kernel, g, target="deviceless", label="bf16")
+  fp8 = cost(fp8_dense_step, x, kernel, g, meta, target="deviceless", label="fp8")
+  bf16 = cost(bf16_dense_step, x, kernel, g, target="deviceless", label="bf16")
   return fp8, bf16
 
 
@@ -100,24 +91,12 @@ def test_data_parallel_fp8_layers_add_at_most_8_kernels_each(data_mesh):
   sharded tensors' amaxes sliced out of the one combined all-reduce."""
 
   def steps(layers):
-    def fp8_loss(params, state, x):
-      new_state = []
-      for kernel, meta in zip(params, state):
-        x, meta = fp8jax.fp8_dense(x, kernel, None, meta)
-        new_state.append(meta)
-      return jnp.mean(x.astype(jnp.float32) ** 2), new_state
-
-    def bf16_loss(params, x):
-      for kernel in params:
-        x = x @ kernel
-      return jnp.mean(x.astype(jnp.float32) ** 2)
-
     params = [_spec(data_mesh, (512, 512), P())] * layers
     x = _spec(data_mesh, (DEVICES * 1024, 512), P("data", None))
     state = _replicated_state(data_mesh, jax.eval_shape(
         lambda: [fp8jax.init_dot_meta(DELAYED) for _ in range(layers)]))
-    fp8 = cost(fp8jax.value_and_grad(fp8_loss), params, state, x, target="deviceless")
-    bf16 = cost(jax.value_and_grad(bf16_loss), params, x, target="deviceless")
+    fp8 = cost(fp8jax.value_and_grad(fp8_stack_loss), params, state, x, target="deviceless")
+    bf16 = cost(jax.value_and_grad(bf16_stack_loss), params, x, target="deviceless")
     return fp8, bf16
 
   extra = {}

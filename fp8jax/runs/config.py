@@ -68,7 +68,7 @@ def base_recipe(name: str, flag: str = "--recipe "):
       raise RunError(f"{flag}{name!r} is not one of {sorted(RECIPES)}, nor a recipe of "
                      "your own named module:Class.")
     return RECIPES[name]
-  from fp8jax.checkpoint import import_recipe_class
+  from fp8jax.recipes import import_recipe_class
   try:
     return import_recipe_class(name)()
   except (ValueError, TypeError) as error:

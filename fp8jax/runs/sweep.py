@@ -197,7 +197,7 @@ def _recipe_fields(config: RunConfig) -> dict:
   recipe = config.recipe_object
   if recipe is None:
     return {"kind": "bf16"}
-  from fp8jax.checkpoint import recipe_kind  # "DelayedScaling", or "module:Class"
+  from fp8jax.recipes import recipe_kind  # "DelayedScaling", or "module:Class"
   return {"kind": recipe_kind(type(recipe)), **dataclasses.asdict(recipe)}
 
 
