@@ -221,3 +221,25 @@ def test_convert_rejects_what_is_not_an_nnx_module_instance(model, message):
 def test_convert_rejects_a_filter_that_is_not_a_function():
   with pytest.raises(TypeError, match="layer_filter must be a function"):
     convert_to_fp8(Net(nnx.Rngs(0)), layer_filter=("attn", "qkv"))
+
+
+def test_rules_give_two_recipes_to_two_parts_of_the_model_as_for_linen():
+  model = Net(nnx.Rngs(0))
+  rules = (fp8jax.flax.Fp8Rule(path="attn/.*", recipe=fp8jax.CurrentScaling()),
+           fp8jax.flax.Fp8Rule(path="mlp/.*", op="Linear", recipe=fp8jax.BlockScaling()),
+           fp8jax.flax.Fp8Rule(path="head", recipe=None))
+  paths = convert_to_fp8(model, rules=rules, layer_filter=lambda layer: True, recipe=RECIPE)
+  assert set(paths) == CHOSEN  # the head by rules[2]; mlp/1 and extra/0 by the filter
+  assert model.attn["qkv"].fp8_meta.get_value().recipe == fp8jax.CurrentScaling()
+  assert model.attn["out"].fp8_meta.get_value().recipe == fp8jax.CurrentScaling()
+  assert model.mlp[0].fp8_meta.get_value().recipe == fp8jax.BlockScaling()
+  assert model.mlp[1].fp8_meta.get_value().recipe == RECIPE  # an Einsum: not rules[1]'s op
+  assert isinstance(model.head, nnx.Linear) and not isinstance(model.head, Fp8Linear)
+  loss, _, _ = _train_step(model, _normal(X_SHAPE, 0), _normal(X_SHAPE[:2] + (16,), 1))
+  assert np.isfinite(loss)
+
+
+def test_converting_no_layer_at_all_is_said():
+  with pytest.warns(UserWarning, match=r"converted none of the model's 6 dense layers.*"
+                                       r"default_layer_filter: not chosen \(K=64"):
+    assert convert_to_fp8(Net(nnx.Rngs(0))) == ()

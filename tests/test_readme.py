@@ -117,3 +117,19 @@ def test_readme_own_recipe_runs_in_the_sweep_beside_the_built_in_ones(tmp_path, 
   # It trained as the built-in delayed recipe did: 8 steps from the same initialization
   # and data, apart only in how the scales follow the amaxes (FP8 rounding, <5%).
   assert abs(run["final_loss"] / runs["delayed"]["final_loss"] - 1) < 0.05
+
+
+def test_readme_rules_snippet_prints_the_report_shown_beside_it():
+  import sys
+  import jax
+  import fp8jax
+  sys.path.insert(0, str(README.parent / "tests"))
+  from test_flax_any_model import LanguageModel, _ids
+  text = README.read_text()
+  snippet = re.search(r"```python\n(from fp8jax.flax import Fp8Model, Fp8Rule\n.*?)```", text,
+                      re.S).group(1)
+  shown = re.search(r"this prints\n.*?```\n(path .*?)```", text, re.S).group(1)
+  namespace = {"fp8jax": fp8jax, "model": LanguageModel(layers=1), "rng": jax.random.key(1),
+               "ids": _ids(0), "print": lambda report: namespace.update(report=report)}
+  exec(compile(snippet, "README.md", "exec"), namespace)
+  assert str(namespace["report"]).strip() == shown.strip()

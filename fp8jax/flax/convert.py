@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8jax.einsum import parse_two_operand_subscripts
-from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, chosen, default_layer_filter
+from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
+from fp8jax.flax.rules import Fp8Rule, check_rules, decide
 from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
 from fp8jax.meta import init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
@@ -43,27 +44,37 @@ from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
 
 def convert_to_fp8(model: nnx.Module, *,
                    layer_filter: Callable[[LayerInfo], bool] = default_layer_filter,
-                   recipe: Recipe = DelayedScaling()) -> tuple[tuple, ...]:
+                   recipe: Recipe = DelayedScaling(),
+                   rules: tuple[Fp8Rule, ...] = ()) -> tuple[tuple, ...]:
   """Replaces the chosen dense layers of `model` by FP8 layers, in place.
 
   Args:
     model: an `nnx.Module`; changed in place.
-    layer_filter: `(LayerInfo) -> bool`, True for the layers to convert
-      (`LayerInfo.input_shape` is None: nothing has been called yet).
-    recipe: the FP8 recipe of every converted layer.
+    layer_filter: `(LayerInfo) -> bool`, True for the layers no rule names that
+      should run in FP8 (`LayerInfo.input_shape` is None: nothing has been called yet).
+    recipe: the FP8 recipe of the layers chosen by `layer_filter`.
+    rules: `Fp8Rule`s, read in order; the first that names a layer decides, with its
+      own recipe (see `fp8jax.flax.rules`; the same rules as for linen's `Fp8Model`).
 
   Returns:
-    The paths of the converted layers, in the order of `nnx.iter_graph`.
+    The paths of the converted layers, in the order of `nnx.iter_graph`. Warns when
+    the model has dense layers but none was converted.
   """
   _check_nnx_module(model)
   check_layer_filter(layer_filter)
   check_recipe(recipe)
+  rules = check_rules(rules)
+  filter_name = "default_layer_filter" if layer_filter is default_layer_filter else "layer_filter"
   nodes = list(nnx.iter_graph(model))
   in_tuples = {id(child) for _, node in nodes if isinstance(node, tuple) for child in node}
-  replacements, paths = {}, []
+  replacements, paths, candidates = {}, [], []
   for path, node in nodes:
     plan = _plan(tuple(path), node)
-    if plan is None or not chosen(layer_filter, plan.layer):
+    if plan is None:
+      continue
+    decision = decide(rules, plan.layer, layer_filter, recipe, filter_name)
+    candidates.append((plan.layer, decision))
+    if decision.recipe is None:
       continue
     blocker = plan.blocker
     if blocker is None and not path:
@@ -75,10 +86,16 @@ def convert_to_fp8(model: nnx.Module, *,
       warnings.warn(f"fp8jax: layer {plan.layer.path} ({plan.layer.kind}) was chosen for FP8 "
                     f"but stays in high precision: {blocker.rstrip('.')}.", stacklevel=2)
       continue
-    replacements[id(node)] = _fp8_layer(node, recipe)
+    replacements[id(node)] = _fp8_layer(node, decision.recipe)
     paths.append(plan.layer.path)
   for _, node in nodes:
     _replace_children(node, replacements)
+  if candidates and not paths:
+    layer, decision = candidates[0]
+    warnings.warn(f"fp8jax: convert_to_fp8 converted none of the model's {len(candidates)} "
+                  f"dense layers (the first: {layer.path} {layer.kind}, {decision.reason}). "
+                  "Name layers for FP8 with rules=(fp8jax.flax.Fp8Rule(path=...),) or pass a "
+                  "layer_filter.", stacklevel=2)
   return tuple(paths)
 
 

@@ -1,12 +1,16 @@
-"""FP8 dense layers in a linen model you did not write, without editing its code.
+"""FP8 for a linen model you did not write, without editing its code: `Fp8Model`.
 
-`Fp8Model` runs an unmodified `flax.linen` module with the `nn.Dense`,
-`nn.DenseGeneral` and `nn.Einsum` layers that `layer_filter` chooses doing their
-matmul in FP8 (`fp8jax.fp8_dense` / `fp8_dot_general` / `fp8_einsum`):
+`Fp8Model` runs an unmodified `flax.linen` module with its dots in FP8 where
+rules and filters choose them: its `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum`
+layers (as `fp8jax.fp8_dense` / `fp8_dot_general` / `fp8_einsum`) and every
+`lax.dot_general`, `jnp.einsum`, `jnp.matmul` and `jnp.dot` its modules call
+themselves (custom layers such as GPT-2's `Conv1D`, attention products), as
+`fp8jax.fp8_dot_general`:
 
     fp8_model = Fp8Model(model)        # default_layer_filter, DelayedScaling()
     variables = fp8_model.init(rng, x)
-    # {"params": the tree model.init gives, "fp8_meta": one DotMeta per chosen layer}
+    # {"params": the tree model.init gives, "fp8_meta": the state of each FP8 dot}
+    print(fp8_model.report(rng, x))    # every candidate dot: FP8 or not, and why
 
     def loss_fn(params, fp8_state, x, y):
       out, updates = fp8_model.apply({"params": params, "fp8_meta": fp8_state}, x,
@@ -15,27 +19,34 @@ matmul in FP8 (`fp8jax.fp8_dense` / `fp8_dot_general` / `fp8_einsum`):
 
     loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state, x, y)
 
+What runs in FP8 (`fp8jax.flax.rules`): the first `Fp8Rule` that names a dot (by
+module path, kind and shape) decides, with the rule's own recipe; a layer no rule
+names goes by `layer_filter` with `recipe`, and a dot a module calls itself that no
+rule names by the cost model's `default_layer_filter`. Where each dot keeps its
+state (a layer: "dot_meta" at its path; a call: "einsum_0" & co at its module's
+path; a nested `apply`: in the module that calls it) is in
+`fp8jax.flax.interception_session`. `init` warns when no dot at all was converted.
+
 The layers keep their parameters (names, shapes, initializers, values), so a
-checkpoint of the model trained without FP8 loads as it is, and each chosen
-layer keeps its `DotMeta` in the "fp8_meta" collection at its own module path,
-by the conventions of `fp8jax.flax.linen` (evaluation: apply without
-`mutable`). The layer's own attributes are respected: `use_bias`, `dtype`,
-`param_dtype`, `promote_dtype`, `axis` and `batch_dims`, einsum strings with
-an ellipsis; `precision` is ignored (FP8 GEMMs accumulate in float32).
+checkpoint of the model trained without FP8 loads as it is (evaluation: apply
+without `mutable`). The layer's own attributes are respected: `use_bias`, `dtype`,
+`param_dtype`, `promote_dtype`, `axis` and `batch_dims`, einsum strings with an
+ellipsis; `precision` is ignored (FP8 GEMMs accumulate in float32). A call's
+`preferred_element_type` is its output dtype (the GEMM's output rounds to the
+operands' dtype first).
 
-A chosen layer that cannot run in FP8 stays in high precision, with a warning
-that names it: one with its own `dot_general` / `dot_general_cls`, an `Einsum`
-with `preferred_element_type` or a contraction that is not a matrix product
-(a label summed over one operand, a trace, nothing contracted), and a
-computation dtype that is not bf16, f16, f32 or f64.
+A chosen dot that cannot run in FP8 stays in high precision, with a warning that
+names it: a layer with its own `dot_general` / `dot_general_cls`, an `Einsum`
+with `preferred_element_type`, a contraction that is not a matrix product (a
+label summed over one operand, a trace, nothing contracted), integer or 8-bit
+operands, a call with an `out_sharding`, and a dot inside `nn.scan` / `nn.vmap`
+whose `variable_axes` leave out "fp8_meta" (add it there for FP8).
 
-How: `nn.intercept_methods` catches the layers' `__call__`. A chosen layer
-still creates its parameters with its own code (at init); its output is then
-computed by fp8jax from those parameters. Interception acts while a function
-is traced, which `Fp8Model.init` / `apply` ensure; with `fp8_dense_layers`
-directly, trace the jitted function inside the `with` block. Layers under
-`nn.scan` need "fp8_meta" in the scan's `variable_axes` (see
-`fp8jax.flax.linen`); a filter can leave them out otherwise.
+How: `nn.intercept_methods` catches the modules' methods, and the dot functions
+are routed to fp8jax while the model is traced (`fp8jax.flax.op_routing`; a dot
+written with `@` or through a name imported before is not seen). Interception acts
+while a function is traced, which `Fp8Model.init` / `apply` ensure; with
+`fp8_dense_layers` directly, trace the jitted function inside the `with` block.
 """
 from __future__ import annotations
 
@@ -54,66 +65,110 @@ from flax import nnx
 from fp8jax.dense import fp8_dense
 from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
-from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, chosen, default_layer_filter
-from fp8jax.flax.linen import FP8_COLLECTION, dot_meta_variable, read_meta, store_dot_meta
+from fp8jax.flax.dot_report import Fp8Report
+from fp8jax.flax.interception_session import Session
+from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
+from fp8jax.flax.op_routing import dot_calls_routed_to
+from fp8jax.flax.rules import Fp8Rule, check_rules
 from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
 
 
 @contextlib.contextmanager
 def fp8_dense_layers(layer_filter: Callable[[LayerInfo], bool] = default_layer_filter,
-                     recipe: Recipe = DelayedScaling()):
-  """Linen `Dense` / `DenseGeneral` / `Einsum` layers traced inside run in FP8 where chosen.
+                     recipe: Recipe = DelayedScaling(), rules: tuple[Fp8Rule, ...] = ()):
+  """The dots of linen modules traced inside run in FP8 where chosen.
 
   Use it around `model.init` and inside the loss function around
   `model.apply` (so that it is active while `jax.jit` traces); `Fp8Model` does
   both for you.
 
   Args:
-    layer_filter: `(LayerInfo) -> bool`, True for the layers to run in FP8.
-    recipe: the FP8 recipe of every chosen layer.
+    layer_filter: `(LayerInfo) -> bool`, True for the dense layers no rule names that
+      should run in FP8.
+    recipe: the FP8 recipe of the dots chosen by a filter.
+    rules: `Fp8Rule`s, read in order (see `fp8jax.flax.rules`).
+
+  Yields:
+    A function that returns the `Fp8Report` of what was traced so far.
   """
   check_layer_filter(layer_filter)
   check_recipe(recipe)
-  with nn.intercept_methods(functools.partial(_intercept, layer_filter, recipe)):
-    yield
+  session = Session(layer_filter, recipe, check_rules(rules))
+  with nn.intercept_methods(functools.partial(_intercept, session)), \
+      dot_calls_routed_to(session.run_op):
+    yield session.report
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Model:
-  """An unmodified linen module whose chosen dense layers run in FP8.
+  """An unmodified linen module whose chosen dots run in FP8.
 
   `init`, `init_with_output` and `apply` take the arguments of the module's own
   and return what they return, with an "fp8_meta" collection besides "params".
 
   Attributes:
     module: the `flax.linen.Module` (an instance, as you would call `.init` on).
-    layer_filter: `(LayerInfo) -> bool`, True for the layers to run in FP8.
-    recipe: the FP8 recipe of every chosen layer.
+    layer_filter: `(LayerInfo) -> bool`, True for the dense layers no rule names that
+      should run in FP8.
+    recipe: the FP8 recipe of the dots chosen by a filter.
+    rules: `Fp8Rule`s, read in order; the first that names a dot decides.
   """
 
   module: nn.Module
   layer_filter: Callable[[LayerInfo], bool] = default_layer_filter
   recipe: Recipe = DelayedScaling()
+  rules: tuple[Fp8Rule, ...] = ()
 
   def __post_init__(self):
     _check_linen_module(self.module)
     check_layer_filter(self.layer_filter)
     check_recipe(self.recipe)
+    object.__setattr__(self, "rules", check_rules(self.rules))
 
   def init(self, rngs, *args, **kwargs):
-    """`module.init(rngs, *args, **kwargs)` with the chosen layers in FP8."""
-    with fp8_dense_layers(self.layer_filter, self.recipe):
-      return self.module.init(rngs, *args, **kwargs)
+    """`module.init(rngs, *args, **kwargs)` with the chosen dots in FP8.
+
+    Warns when the model has dots but none of them was chosen for FP8.
+    """
+    with fp8_dense_layers(self.layer_filter, self.recipe, self.rules) as report:
+      variables = self.module.init(rngs, *args, **kwargs)
+    _warn_if_nothing_converted(report())
+    return variables
 
   def init_with_output(self, rngs, *args, **kwargs):
-    """`module.init_with_output(rngs, *args, **kwargs)` with the chosen layers in FP8."""
-    with fp8_dense_layers(self.layer_filter, self.recipe):
-      return self.module.init_with_output(rngs, *args, **kwargs)
+    """`module.init_with_output(rngs, *args, **kwargs)` with the chosen dots in FP8."""
+    with fp8_dense_layers(self.layer_filter, self.recipe, self.rules) as report:
+      result = self.module.init_with_output(rngs, *args, **kwargs)
+    _warn_if_nothing_converted(report())
+    return result
 
   def apply(self, variables, *args, **kwargs):
-    """`module.apply(variables, *args, **kwargs)` with the chosen layers in FP8."""
-    with fp8_dense_layers(self.layer_filter, self.recipe):
+    """`module.apply(variables, *args, **kwargs)` with the chosen dots in FP8."""
+    with fp8_dense_layers(self.layer_filter, self.recipe, self.rules):
       return self.module.apply(variables, *args, **kwargs)
+
+  def report(self, rngs, *args, **kwargs) -> Fp8Report:
+    """Every candidate dot of the model and how it runs, from an abstract `init`.
+
+    Takes `init`'s arguments (shapes only matter); `print` it for a table.
+    """
+    def init():
+      with fp8_dense_layers(self.layer_filter, self.recipe, self.rules) as report:
+        self.module.init(rngs, *args, **kwargs)
+      return report()
+
+    found = []
+    jax.eval_shape(lambda: found.append(init()))
+    return found[0]
+
+
+def _warn_if_nothing_converted(report: Fp8Report) -> None:
+  if report.rows and not report.converted:
+    warnings.warn(
+        f"fp8jax: Fp8Model runs none of the model's {len(report.rows)} dots in FP8 (the first: "
+        f"{report.rows[0].path} {report.rows[0].kind}, {report.rows[0].reason}). See "
+        "fp8_model.report(rng, *inputs) for every dot and why; name dots for FP8 with "
+        "rules=(fp8jax.flax.Fp8Rule(path=...),) or pass a layer_filter.", stacklevel=3)
 
 
 def _check_linen_module(module) -> None:
@@ -142,36 +197,25 @@ class _Plan:
   fp8: Callable
 
 
-def _intercept(layer_filter, recipe, next_fun, args, kwargs, context):
+_STOCK_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+
+
+def _intercept(session: Session, next_fun, args, kwargs, context):
   module = context.module
   plan = _plan(module, context.method_name, args, kwargs)
-  if plan is None or not chosen(layer_filter, plan.layer):
-    return next_fun(*args, **kwargs)
-  if plan.blocker is not None:
-    warnings.warn(f"fp8jax: layer {plan.layer.path} ({plan.layer.kind}) was chosen for FP8 "
-                  f"but stays in high precision: {plan.blocker.rstrip('.')}.")
-    return next_fun(*args, **kwargs)
-  if not module.has_variable("params", "kernel"):
-    next_fun(*args, **kwargs)  # the layer creates its parameters with its own code
-  _check_state_present(module, plan.layer)
-  kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
-  bias = nn.meta.unbox(module.get_variable("params", "bias")) if module.use_bias else None
-  variable = dot_meta_variable(module, recipe)
-  y, new_meta = plan.fp8(kernel, bias, read_meta(module, variable))
-  store_dot_meta(module, variable, new_meta)
-  return y
+  session.enter(module, layer=_is_stock_layer(module))
+  try:
+    if plan is None:
+      return next_fun(*args, **kwargs)
+    return session.run_layer(plan, next_fun, args, kwargs)
+  finally:
+    session.exit()
 
 
-def _check_state_present(module, layer: LayerInfo) -> None:
-  if (module.is_initializing() or module.is_mutable_collection(FP8_COLLECTION)
-      or module.has_variable(FP8_COLLECTION, "dot_meta")):
-    return
-  raise ValueError(
-      f"layer {layer.path} ({layer.kind}) was chosen for FP8 by layer_filter, but the "
-      f"variables given to apply have no '{FP8_COLLECTION}' state for it. Pass the "
-      f"'{FP8_COLLECTION}' collection that init made with the same layer_filter "
-      "(variables = fp8_model.init(...)), and do not base the filter's choice on the batch "
-      "size.")
+def _is_stock_layer(module) -> bool:
+  # A subclass with its own __call__ computes something else: its dots are its own.
+  return any(isinstance(module, kind) and type(module).__call__ is kind.__call__
+             for kind in _STOCK_LAYERS)
 
 
 def _plan(module, method_name, args, kwargs) -> _Plan | None:

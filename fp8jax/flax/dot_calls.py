@@ -1,0 +1,170 @@
+"""The dots a module calls itself, read as one `lax.dot_general`: `read_dot_call`.
+
+`lax.dot_general(lhs, rhs, dimension_numbers)`, `jnp.einsum("...", a, b)`,
+`jnp.matmul(a, b)` and `jnp.dot(a, b)` are each one GEMM of two operands.
+`read_dot_call` turns such a call into the dimension numbers `fp8_dot_general`
+takes, the permutation its output needs, and the `LayerInfo` a filter sees; or
+says why the call is no GEMM fp8jax can run (an einsum of three operands, a
+label summed over one operand, integer operands, an output sharding, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import opt_einsum
+
+from fp8jax.einsum import parse_two_operand_subscripts
+from fp8jax.flax.layer_filter import LayerInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class DotCall:
+  """One call read as `lax.dot_general(lhs, rhs, dims)`, or why it cannot run in FP8.
+
+  Attributes:
+    kind: "dot_general", "einsum", "matmul" or "dot".
+    lhs, rhs: the operands (None when the call is not a two-operand dot).
+    dims: dimension numbers for `fp8_dot_general`.
+    permutation: the transpose that takes dot_general's output to the call's, or None.
+    dtype: the output dtype the call asks for.
+    blocker: why FP8 cannot run this call, or None.
+  """
+
+  kind: str
+  lhs: Any
+  rhs: Any
+  dims: Any = None
+  permutation: tuple | None = None
+  dtype: Any = None
+  blocker: str | None = None
+
+  def info(self, path: tuple) -> LayerInfo:
+    """What rules and filters see: the second operand plays the kernel."""
+    rhs_shape = tuple(self.rhs.shape)
+    if self.dims is None:
+      return LayerInfo(path, self.kind, rhs_shape, (), rhs_shape, tuple(self.lhs.shape))
+    (_, rhs_contract), (_, rhs_batch) = self.dims
+    in_features = tuple(rhs_shape[d] for d in rhs_contract)
+    out_features = tuple(s for d, s in enumerate(rhs_shape)
+                         if d not in rhs_contract and d not in rhs_batch)
+    return LayerInfo(path, self.kind, rhs_shape, in_features, out_features,
+                     tuple(self.lhs.shape))
+
+
+def read_dot_call(kind: str, args: tuple, kwargs: dict) -> DotCall | None:
+  """The call as a `DotCall`; None when it is not a call on two arrays (left alone)."""
+  try:
+    call = _READERS[kind](*args, **kwargs)
+  except TypeError:
+    return None  # not a signature we know: the function itself reports it
+  if call is None or call.blocker is not None:
+    return call
+  for name, operand in (("lhs", call.lhs), ("rhs", call.rhs)):
+    dtype = jnp.dtype(operand.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+      return dataclasses.replace(call, blocker=f"its {name} is {dtype}, not a float of 16 bits "
+                                 "or more")
+  if not call.dims[0][0]:
+    return dataclasses.replace(call, blocker="it contracts no dimension (an outer product)")
+  return call
+
+
+def _arrays(*values) -> bool:
+  return all(hasattr(v, "shape") and hasattr(v, "dtype") for v in values)
+
+
+def _options_blocker(precision=None, preferred_element_type=None, out_sharding=None,
+                     **others) -> str | None:
+  del precision  # FP8 GEMMs accumulate in float32 whatever the precision asked
+  if out_sharding is not None:
+    return "it names an out_sharding"
+  if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type,
+                                                                jnp.floating):
+    return f"preferred_element_type={jnp.dtype(preferred_element_type)} is not a float"
+  for name, value in others.items():
+    if value is not None:
+      return f"it passes {name}"
+  return None
+
+
+def _dtype(lhs, rhs, preferred_element_type):
+  if preferred_element_type is not None:
+    return jnp.dtype(preferred_element_type)
+  return jnp.result_type(lhs.dtype, rhs.dtype)
+
+
+def _read_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                      **options) -> DotCall | None:
+  if not _arrays(lhs, rhs):
+    return None
+  blocker = _options_blocker(precision, preferred_element_type, **options)
+  (lc, rc), (lb, rb) = dimension_numbers
+  dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+  return DotCall("dot_general", lhs, rhs, dims, None,
+                 _dtype(lhs, rhs, preferred_element_type), blocker)
+
+
+def _read_einsum(subscripts, *operands, out=None, optimize=None, precision=None,
+                 preferred_element_type=None, _dot_general=None, **options) -> DotCall | None:
+  del optimize  # two operands: one contraction, whatever the path
+  if len(operands) != 2 or not _arrays(*operands):
+    return None  # not one GEMM of two arrays
+  if not isinstance(subscripts, str):
+    return DotCall("einsum", operands[0], operands[1], blocker="its subscripts are not a string")
+  lhs, rhs = operands
+  blocker = _options_blocker(precision, preferred_element_type, out=out,
+                             _dot_general=_dot_general, **options)
+  try:
+    terms, out_labels, _ = opt_einsum.parser.parse_einsum_input(
+        (subscripts.replace(" ", ""), jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+         jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)))
+    spec = f"{terms}->{out_labels}"  # the ellipsis spelled out
+    x_labels, k_labels, out_labels = parse_two_operand_subscripts(spec, lhs.ndim, rhs.ndim)
+  except ValueError as error:
+    return DotCall("einsum", lhs, rhs, blocker=blocker or str(error).rstrip("."))
+  batch = [c for c in x_labels if c in k_labels and c in out_labels]
+  contract = [c for c in x_labels if c in k_labels and c not in out_labels]
+  dims = ((tuple(x_labels.index(c) for c in contract), tuple(k_labels.index(c) for c in contract)),
+          (tuple(x_labels.index(c) for c in batch), tuple(k_labels.index(c) for c in batch)))
+  produced = batch + [c for c in x_labels if c not in k_labels] + [
+      c for c in k_labels if c not in x_labels]
+  permutation = tuple(produced.index(c) for c in out_labels)
+  if permutation == tuple(range(len(permutation))):
+    permutation = None
+  return DotCall("einsum", lhs, rhs, dims, permutation,
+                 _dtype(lhs, rhs, preferred_element_type), blocker)
+
+
+def _read_matmul(a, b, *, precision=None, preferred_element_type=None,
+                 **options) -> DotCall | None:
+  return _matrix_product("matmul", a, b, precision, preferred_element_type, options)
+
+
+def _read_dot(a, b, *, precision=None, preferred_element_type=None,
+              **options) -> DotCall | None:
+  if _arrays(a, b) and b.ndim > 2:
+    return DotCall("dot", a, b, blocker="jnp.dot of a kernel of rank > 2 is not one GEMM")
+  return _matrix_product("dot", a, b, precision, preferred_element_type, options)
+
+
+def _matrix_product(kind, a, b, precision, preferred_element_type, options) -> DotCall | None:
+  if not _arrays(a, b):
+    return None
+  blocker = _options_blocker(precision, preferred_element_type, **options)
+  if a.ndim < 2 or b.ndim < 2:
+    return DotCall(kind, a, b, blocker=blocker or "an operand is a vector")
+  if b.ndim == 2:
+    dims = (((a.ndim - 1,), (0,)), ((), ()))
+  elif a.shape[:-2] == b.shape[:-2]:
+    batch = tuple(range(a.ndim - 2))
+    dims = (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch))
+  else:
+    return DotCall(kind, a, b, blocker=blocker or "its batch dims broadcast")
+  return DotCall(kind, a, b, dims, None, _dtype(a, b, preferred_element_type), blocker)
+
+
+_READERS = {"dot_general": _read_dot_general, "einsum": _read_einsum,
+            "matmul": _read_matmul, "dot": _read_dot}

@@ -1,0 +1,73 @@
+"""What runs in FP8 in a converted model, and why: `Fp8Report`.
+
+`Fp8Model.report(rngs, *args)` (linen) returns one; `print(report)` shows a
+table with one row per candidate dot (dense layers and the dots modules call
+themselves), `report.rows` holds the same as `DotRecord`s and
+`report.to_json()` writes it for a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class DotRecord:
+  """One candidate dot of a model.
+
+  Attributes:
+    path: module path; for a dot that a module calls itself, ending with the dot's
+      name ("einsum_0").
+    kind: "Dense", "DenseGeneral", "Einsum" (layers) or "dot_general", "einsum",
+      "matmul", "dot" (calls).
+    lhs_shape, rhs_shape: the input's and the kernel's (or second operand's) shape.
+    k, n: the GEMM's contracting and output sizes.
+    recipe: the recipe's class name when the dot runs in FP8, else None.
+    reason: the rule or filter that decided, or why FP8 cannot run.
+  """
+
+  path: tuple
+  kind: str
+  lhs_shape: tuple | None
+  rhs_shape: tuple
+  k: int
+  n: int
+  recipe: str | None
+  reason: str
+
+  @property
+  def fp8(self) -> bool:
+    return self.recipe is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Report:
+  """Every candidate dot of a model, in the order the model first calls them."""
+
+  rows: tuple[DotRecord, ...]
+
+  @property
+  def converted(self) -> tuple[DotRecord, ...]:
+    """The rows that run in FP8."""
+    return tuple(row for row in self.rows if row.fp8)
+
+  def __str__(self) -> str:
+    header = ("path", "kind", "x", "kernel", "K", "N", "FP8", "why")
+    lines = [header] + [
+        ("/".join(str(p) for p in row.path) or "(model)", row.kind, _shape(row.lhs_shape),
+         _shape(row.rhs_shape), str(row.k), str(row.n), row.recipe or "-", row.reason)
+        for row in self.rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1]
+            for line in lines]
+    text.append(f"{len(self.converted)} of {len(self.rows)} dots run in FP8.")
+    return "\n".join(text)
+
+  def to_json(self) -> str:
+    rows = [dict(dataclasses.asdict(row), path=[str(p) for p in row.path]) for row in self.rows]
+    return json.dumps({"dots": rows, "fp8": len(self.converted), "total": len(self.rows)},
+                      indent=1)
+
+
+def _shape(shape) -> str:
+  return "?" if shape is None else "x".join(str(s) for s in shape) or "()"
