@@ -1,4 +1,4 @@
-"""Converting an existing nnx model's dense layers to FP8, in place.
+"""Converting an existing nnx model's dense layers (and its own dots) to FP8, in place.
 
 `convert_to_fp8(model)` walks the model's graph and replaces every
 `nnx.Linear`, `nnx.LinearGeneral` and `nnx.Einsum` that `layer_filter` chooses
@@ -12,7 +12,11 @@ their sharding metadata) are unchanged, and gets a fresh `Fp8MetaVariable`:
     graphdef, params, fp8_state = nnx.split(model, nnx.Param, Fp8MetaVariable)
 
 then train as in `fp8jax.flax.nnx`. `precision` is ignored (FP8 GEMMs
-accumulate in float32).
+accumulate in float32). With `example_inputs`, the `lax.dot_general` /
+`jnp.einsum` / `jnp.matmul` / `jnp.dot` calls of the model's own modules (a
+GPT-2 Conv1D, attention products) are found by one abstract call and the chosen
+ones run in FP8 too (`fp8jax.flax.nnx_dots`). Rules (`fp8jax.flax.rules`) pick
+layers and dots as for linen's `Fp8Model`.
 
 A chosen layer that cannot become an FP8 layer stays as it is, with a warning
 that names it: one with its own `dot_general` / `dot_general_cls` / `einsum_op`
@@ -36,7 +40,9 @@ from flax import nnx
 
 from fp8jax.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
-from fp8jax.flax.rules import Fp8Rule, check_rules, decide
+from fp8jax.flax.dot_report import DotRecord, Fp8Report
+from fp8jax.flax.nnx_dots import convert_dots, find_dots, routable
+from fp8jax.flax.rules import OP_KINDS, Fp8Rule, check_rules, decide
 from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
 from fp8jax.meta import init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
@@ -45,36 +51,61 @@ from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
 def convert_to_fp8(model: nnx.Module, *,
                    layer_filter: Callable[[LayerInfo], bool] = default_layer_filter,
                    recipe: Recipe = DelayedScaling(),
-                   rules: tuple[Fp8Rule, ...] = ()) -> tuple[tuple, ...]:
-  """Replaces the chosen dense layers of `model` by FP8 layers, in place.
+                   rules: tuple[Fp8Rule, ...] = (),
+                   example_inputs: tuple | None = None,
+                   report: bool = False) -> tuple[tuple, ...] | Fp8Report:
+  """Replaces the chosen dense layers of `model` by FP8 layers, in place; with
+  `example_inputs`, also runs the chosen dots its modules call themselves in FP8.
 
   Args:
     model: an `nnx.Module`; changed in place.
     layer_filter: `(LayerInfo) -> bool`, True for the layers no rule names that
       should run in FP8 (`LayerInfo.input_shape` is None: nothing has been called yet).
-    recipe: the FP8 recipe of the layers chosen by `layer_filter`.
-    rules: `Fp8Rule`s, read in order; the first that names a layer decides, with its
-      own recipe (see `fp8jax.flax.rules`; the same rules as for linen's `Fp8Model`).
+    recipe: the FP8 recipe of what a filter chooses.
+    rules: `Fp8Rule`s, read in order; the first that names a layer or dot decides, with
+      its own recipe (see `fp8jax.flax.rules`; the same rules as for linen's `Fp8Model`).
+    example_inputs: the positional arguments of one call of `model` (arrays or
+      `jax.ShapeDtypeStruct`s: only shapes and dtypes matter). The model is called with
+      them abstractly to find the `lax.dot_general` / `jnp.einsum` / `jnp.matmul` /
+      `jnp.dot` calls of its modules (`fp8jax.flax.nnx_dots`); those that no rule names
+      go by `default_layer_filter`. None: dense layers only.
+    report: return the `Fp8Report` of every candidate instead of the converted paths.
 
   Returns:
-    The paths of the converted layers, in the order of `nnx.iter_graph`. Warns when
-    the model has dense layers but none was converted.
+    The paths of the converted layers, in the order of `nnx.iter_graph`, then those of
+    the converted dots (a module's path and the dot's name, e.g. ("attn", "einsum_0"));
+    or, with `report=True`, the `Fp8Report`. Warns when the model has candidates but
+    none was converted.
   """
   _check_nnx_module(model)
   check_layer_filter(layer_filter)
   check_recipe(recipe)
   rules = check_rules(rules)
   filter_name = "default_layer_filter" if layer_filter is default_layer_filter else "layer_filter"
+  records = _convert_layers(model, layer_filter, recipe, rules, filter_name)
+  if example_inputs is not None:
+    records += _convert_dots(model, recipe, rules, tuple(example_inputs))
+  result = Fp8Report(tuple(records))
+  if result.rows and not result.converted:
+    first = result.rows[0]
+    warnings.warn(f"fp8jax: convert_to_fp8 converted none of the model's {len(result.rows)} "
+                  f"candidates (the first: {first.path} {first.kind}, {first.reason}). "
+                  "Name layers or dots for FP8 with rules=(fp8jax.flax.Fp8Rule(path=...),) or "
+                  "pass a layer_filter.", stacklevel=2)
+  return result if report else tuple(row.path for row in result.converted)
+
+
+def _convert_layers(model, layer_filter, recipe, rules, filter_name) -> list[DotRecord]:
   nodes = list(nnx.iter_graph(model))
   in_tuples = {id(child) for _, node in nodes if isinstance(node, tuple) for child in node}
-  replacements, paths, candidates = {}, [], []
+  replacements, records = {}, []
   for path, node in nodes:
     plan = _plan(tuple(path), node)
     if plan is None:
       continue
     decision = decide(rules, plan.layer, layer_filter, recipe, filter_name)
-    candidates.append((plan.layer, decision))
     if decision.recipe is None:
+      records.append(DotRecord.of(plan.layer, None, decision.reason))
       continue
     blocker = plan.blocker
     if blocker is None and not path:
@@ -83,20 +114,37 @@ def convert_to_fp8(model: nnx.Module, *,
       blocker = ("it is held in a tuple, which cannot be changed in place (hold it in an "
                  "nnx.List or an attribute)")
     if blocker is not None:
-      warnings.warn(f"fp8jax: layer {plan.layer.path} ({plan.layer.kind}) was chosen for FP8 "
-                    f"but stays in high precision: {blocker.rstrip('.')}.", stacklevel=2)
+      records.append(_stays_high_precision(plan.layer, blocker))
       continue
     replacements[id(node)] = _fp8_layer(node, decision.recipe)
-    paths.append(plan.layer.path)
+    records.append(DotRecord.of(plan.layer, decision.recipe, decision.reason))
   for _, node in nodes:
     _replace_children(node, replacements)
-  if candidates and not paths:
-    layer, decision = candidates[0]
-    warnings.warn(f"fp8jax: convert_to_fp8 converted none of the model's {len(candidates)} "
-                  f"dense layers (the first: {layer.path} {layer.kind}, {decision.reason}). "
-                  "Name layers for FP8 with rules=(fp8jax.flax.Fp8Rule(path=...),) or pass a "
-                  "layer_filter.", stacklevel=2)
-  return tuple(paths)
+  return records
+
+
+def _convert_dots(model, recipe, rules, example_inputs) -> list[DotRecord]:
+  modules = {tuple(path): node for path, node in nnx.iter_graph(model) if routable(node)}
+  metas, records = {}, []
+  for (path, name), call in find_dots(model, modules, example_inputs).items():
+    dot = call.info(path + (name,))
+    decision = decide(rules, dot, default_layer_filter, recipe, "default_layer_filter")
+    if decision.recipe is None:
+      records.append(DotRecord.of(dot, None, decision.reason))
+    elif call.blocker is not None:
+      records.append(_stays_high_precision(dot, call.blocker))
+    else:
+      metas.setdefault(path, {})[name] = init_dot_meta(decision.recipe)
+      records.append(DotRecord.of(dot, decision.recipe, decision.reason))
+  convert_dots(modules, metas)
+  return records
+
+
+def _stays_high_precision(dot: LayerInfo, why: str) -> DotRecord:
+  what = "dot" if dot.kind in OP_KINDS else "layer"
+  warnings.warn(f"fp8jax: {what} {dot.path} ({dot.kind}) was chosen for FP8 but stays in high "
+                f"precision: {why.rstrip('.')}.", stacklevel=4)
+  return DotRecord.of(dot, None, f"unsupported: {why.rstrip('.')}")
 
 
 def _check_nnx_module(model) -> None:

@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import opt_einsum
 
+from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo
+from fp8jax.meta import DotMeta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,16 @@ def read_dot_call(kind: str, args: tuple, kwargs: dict) -> DotCall | None:
   if not call.dims[0][0]:
     return dataclasses.replace(call, blocker="it contracts no dimension (an outer product)")
   return call
+
+
+def fp8_dot_call(call: DotCall, meta: DotMeta):
+  """The call computed by `fp8_dot_general` with `meta`: (output as the call gives it,
+  new_meta). The operands are promoted to their common dtype first, as the call would."""
+  dtype = jnp.result_type(call.lhs.dtype, call.rhs.dtype)
+  y, new_meta = fp8_dot_general(call.lhs.astype(dtype), call.rhs.astype(dtype), meta, call.dims)
+  if call.permutation is not None:
+    y = jnp.transpose(y, call.permutation)
+  return y.astype(call.dtype), new_meta
 
 
 def _arrays(*values) -> bool:

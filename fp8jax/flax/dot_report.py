@@ -39,6 +39,12 @@ class DotRecord:
   def fp8(self) -> bool:
     return self.recipe is not None
 
+  @classmethod
+  def of(cls, dot, recipe, reason: str) -> "DotRecord":
+    """The record of a `LayerInfo`, run with `recipe` (None: high precision)."""
+    return cls(tuple(dot.path), dot.kind, dot.input_shape, tuple(dot.kernel_shape), dot.k,
+               dot.n, None if recipe is None else type(recipe).__name__, reason)
+
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Report:

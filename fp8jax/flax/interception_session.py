@@ -28,10 +28,8 @@ import dataclasses
 import warnings
 
 import flax.linen as nn
-import jax.numpy as jnp
 
-from fp8jax.dot import fp8_dot_general
-from fp8jax.flax.dot_calls import read_dot_call
+from fp8jax.flax.dot_calls import fp8_dot_call, read_dot_call
 from fp8jax.flax.dot_report import DotRecord, Fp8Report
 from fp8jax.flax.layer_filter import LayerInfo, default_layer_filter
 from fp8jax.flax.linen import FP8_COLLECTION
@@ -156,15 +154,11 @@ class Session:
     meta = self._read_state(frame, name, decision.recipe, dot)
     if meta is None:
       return self._stays_high_precision(dot, _NO_PLACE, original(*args, **kwargs))
-    dtype = jnp.result_type(call.lhs.dtype, call.rhs.dtype)
     with self._fp8_op():
-      y, new_meta = fp8_dot_general(call.lhs.astype(dtype), call.rhs.astype(dtype), meta,
-                                    call.dims)
+      y, new_meta = fp8_dot_call(call, meta)
     self._write_state(frame, name, new_meta)
     self._record(dot, decision.recipe, decision.reason)
-    if call.permutation is not None:
-      y = jnp.transpose(y, call.permutation)
-    return y.astype(call.dtype)
+    return y
 
   # ----- state -------------------------------------------------------------------------
 
@@ -233,9 +227,7 @@ class Session:
   def _record(self, dot: LayerInfo, recipe, reason: str) -> None:
     key = tuple(dot.path) + (dot.kind,)
     if key not in self.records:
-      self.records[key] = DotRecord(
-          tuple(dot.path), dot.kind, dot.input_shape, tuple(dot.kernel_shape), dot.k, dot.n,
-          None if recipe is None else type(recipe).__name__, reason)
+      self.records[key] = DotRecord.of(dot, recipe, reason)
 
 
 _NO_PLACE = (f"it runs inside a lifted transform (nn.scan, nn.vmap, ...) that does not carry "
