@@ -45,7 +45,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from fp8jax import weight_reuse
+from fp8jax import explicit_mesh, weight_reuse
 from fp8jax.amax import amax, amax_max, unbatched_like
 from fp8jax.forward_mode import reverse_mode_only
 from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
@@ -140,7 +140,7 @@ def _general_fwd(x, kernel, meta, dims):
   # Named scopes label the three GEMMs in HLO metadata (fp8jax.lowering reads them).
   with jax.named_scope("fp8_fprop"):
     if "fprop" in high:  # in x's dtype, as the FP8 product is returned
-      out = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
+      out = explicit_mesh.dot_general(x, kernel.astype(x.dtype), dims)
     else:
       out = scaled_dot(qx, qk, scale_inv_x, scale_inv_k, dims, x.dtype)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
@@ -173,20 +173,25 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
   scale_inv_g = descale(grad_meta, scale_g)
   qg = quantize(g, scale_g, grad_meta.fmt)
 
+  # On an explicit-axis mesh each gradient is sharded as its primal (qx, qk have
+  # x's and the kernel's shardings); see fp8jax.explicit_mesh.
   dgrad_dims, dgrad_perm = dgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
+  dx_spec = explicit_mesh.spec_before_transpose(explicit_mesh.explicit_spec(qx), dgrad_perm)
   with jax.named_scope("fp8_dgrad"):
     if "dgrad" in high:  # qk is the unquantized kernel
-      dx = jax.lax.dot_general(g, qk.astype(g.dtype), dgrad_dims)
+      dx = explicit_mesh.dot_general(g, qk.astype(g.dtype), dgrad_dims, dx_spec)
     else:
-      dx = scaled_dot(qg, qk, scale_inv_g, scale_inv_k, dgrad_dims, g.dtype)
+      dx = scaled_dot(qg, qk, scale_inv_g, scale_inv_k, dgrad_dims, g.dtype, dx_spec)
     dx = jnp.transpose(dx, dgrad_perm)
 
   wgrad_dims, wgrad_perm = wgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
+  dk_spec = explicit_mesh.spec_before_transpose(explicit_mesh.explicit_spec(qk), wgrad_perm)
   with jax.named_scope("fp8_wgrad"):
     if "wgrad" in high:  # qx is the unquantized x
-      dk = jax.lax.dot_general(qx, g.astype(qx.dtype), wgrad_dims).astype(kernel_dtype)
+      dk = explicit_mesh.dot_general(qx, g.astype(qx.dtype), wgrad_dims,
+                                     dk_spec).astype(kernel_dtype)
     else:
-      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype)
+      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype, dk_spec)
     dk = jnp.transpose(dk, wgrad_perm)
 
   meta_in_cotangent = dataclasses.replace(
@@ -300,10 +305,14 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
   qg, qg_t, _, (dgrad_descale, wgrad_descale), recorded = _quantize_matrix(
       g2, with_running, g, (scale_inv_k, scale_inv_x))
+  # On an explicit-axis mesh dx is sharded as x (qx_t is x^T) and dk as the kernel
+  # (qk has its sharding); see fp8jax.explicit_mesh.
   with jax.named_scope("fp8_dgrad"):
-    dx = scaled_matmul_nt(qg, qk, dgrad_descale, g.dtype)
+    dx = scaled_matmul_nt(qg, qk, dgrad_descale, g.dtype,
+                          out_spec=explicit_mesh.explicit_spec(qx_t)[::-1])
   with jax.named_scope("fp8_wgrad"):
-    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, kernel_dtype)
+    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, kernel_dtype,
+                          out_spec=explicit_mesh.explicit_spec(qk))
   dx = dx.reshape(layout.x_shape)
   dk = dk.reshape(layout.kernel_shape)
   return dx, dk, dataclasses.replace(grad_cotangent, amax=recorded.amax)
@@ -319,8 +328,12 @@ def descale(meta, scale):
   return meta.scale_inv
 
 
-def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype) -> jax.Array:
+def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype,
+                     out_spec=None) -> jax.Array:
   """`(qa @ qb.T) * descale` in `out_dtype`; qa [P, C], qb [Q, C] FP8, descale float32[].
+
+  `out_spec`: the product's sharding on an explicit-axis mesh (default: qa's
+  rows, qb's rows; see `fp8jax.explicit_mesh`). Ignored elsewhere.
 
   `descale` is the product of the two operands' `scale_inv` (capped at the
   float32 max, so a zero row stays 0). Both operands contract their last
@@ -344,16 +357,23 @@ def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype
   dims = (((1,), (1,)), ((), ()))
 
   def cublaslt_fp8(qa, qb, descale):
-    product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=out_dtype)
+    product = explicit_mesh.dot_general(qa, qb, dims, out_spec,
+                                        preferred_element_type=out_dtype)
     return product * descale.astype(out_dtype)
 
   def float32_product(qa, qb, descale):
-    product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+    product = explicit_mesh.dot_general(qa, qb, dims, out_spec,
+                                        preferred_element_type=jnp.float32)
     return (product * descale).astype(out_dtype)
 
   if out_dtype not in _FUSED_OUTPUT_DTYPES:
     return float32_product(qa, qb, descale)
-  per_shard = vmapped_as(shard_local_gemm(cublaslt_fp8), cublaslt_fp8)
+  if explicit_mesh.is_explicitly_sharded(qa, qb):
+    # Shardings are in the types: JAX partitions the dot, and a custom
+    # partitioning rule (which sees Auto axes only) does not apply.
+    per_shard = cublaslt_fp8
+  else:
+    per_shard = vmapped_as(shard_local_gemm(cublaslt_fp8), cublaslt_fp8)
   return jax.lax.platform_dependent(qa, qb, descale, cuda=per_shard,
                                     default=float32_product)
 
@@ -362,15 +382,17 @@ _FUSED_OUTPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def scaled_dot(qa: jax.Array, qb: jax.Array, scale_inv_a: jax.Array, scale_inv_b: jax.Array,
-               dims, out_dtype) -> jax.Array:
+               dims, out_dtype, out_spec=None) -> jax.Array:
   """`dot_general(qa, qb) * scale_inv_a * scale_inv_b` with f8 operands, in `out_dtype`.
 
   The general path (batch dims): the f8 dot accumulates in float32 and the
   descales are applied one after the other, in float32, then the result is
   rounded once. Applying them one at a time keeps the result finite where their
-  product would leave float32's range (tiny scales of huge tensors).
+  product would leave float32's range (tiny scales of huge tensors). `out_spec`
+  as for `scaled_matmul_nt`.
   """
-  product = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+  product = explicit_mesh.dot_general(qa, qb, dims, out_spec,
+                                      preferred_element_type=jnp.float32)
   return (product * scale_inv_a * scale_inv_b).astype(out_dtype)
 
 

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from fp8jax.amax import amax
 from fp8jax.block_quantize import BlockQuantized, dequantize_blocks
+from fp8jax.explicit_mesh import is_explicitly_sharded
 from fp8jax.meta import DotMeta
 from fp8jax.scaling import amaxes_unbatched_like, record_amax
 
@@ -66,7 +67,18 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   Returns:
     (out, new_meta) as `fp8jax.fp8_dot_general`: out in x's dtype with
     dot_general's shape [batch, x free, kernel free].
+
+  Raises:
+    ValueError: x or kernel is sharded over an explicit-axis mesh.
   """
+  if is_explicitly_sharded(x, kernel):
+    # Per-row / per-block scales repeat and reshape the operands in ways JAX's
+    # sharding types do not follow (jnp.repeat, block reshapes).
+    raise ValueError(
+        f"meta.recipe={type(meta.recipe).__name__}: per-row and per-block FP8 recipes do not "
+        f"run on arrays sharded over an explicit-axis mesh (x {jax.typeof(x)}, kernel "
+        f"{jax.typeof(kernel)}). Use DelayedScaling or CurrentScaling on that mesh, or make "
+        "the mesh with jax.sharding.AxisType.Auto axes, where XLA partitions this recipe.")
   (x_contract, k_contract), (x_batch, k_batch) = dims
   x_free = [a for a in range(x.ndim) if a not in x_contract + x_batch]
   k_free = [a for a in range(kernel.ndim) if a not in k_contract + k_batch]

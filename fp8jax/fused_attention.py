@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
 from fp8jax.meta_threading import check_threaded
 from fp8jax.amax import amax
 from fp8jax.attention_partitioning import shard_local_attention
+from fp8jax.explicit_mesh import is_explicitly_sharded
 from fp8jax.fused_kernels import inside_shard_map
 from fp8jax.kernel_partitioning import vmapped_as
 from fp8jax.recipes import Recipe, check_recipe
@@ -108,13 +110,30 @@ def _platform() -> tuple[str, str | None]:
 
 def choose_backend(q, k, *, fp8: bool, causal: bool, has_segments: bool,
                    recipe: Recipe | None = None, backend: str | None = None) -> BackendChoice:
-  """The backend `attention` / `fp8_attention` will use for these arguments."""
+  """The backend `attention` / `fp8_attention` will use for these arguments.
+
+  On an explicit-axis mesh only "xla" runs: the kernels' Pallas calls take
+  unsharded types only. Asked for another backend there, raises ValueError.
+  """
+  explicit = is_explicitly_sharded(q, k)
+  if explicit and backend not in (None, "xla"):
+    raise ValueError(
+        f"backend={backend!r}: the attention kernels do not run on arrays sharded over an "
+        f"explicit-axis mesh (q {jax.typeof(q)}). Pass backend='xla' (or None) there, or make "
+        "the mesh with jax.sharding.AxisType.Auto axes, where each device runs the kernel on "
+        "its batch rows and heads.")
   platform, arch = _platform()
   key = make_key(q.shape, k.shape, jnp.dtype(q.dtype).name, fp8=fp8, causal=causal,
                  has_segments=has_segments,
                  recipe_type=type(recipe).__name__ if recipe is not None else None,
                  platform=platform, gpu_arch=arch)
-  return select_backend(key, backend)
+  choice = select_backend(key, backend)
+  if explicit and choice.name != "xla":
+    reason = (f"the {choice.name!r} kernel does not run on arrays sharded over an "
+              "explicit-axis mesh; make the mesh with AxisType.Auto axes to use it")
+    warnings.warn(f"fp8jax attention uses the 'xla' backend: {reason}.", stacklevel=3)
+    return BackendChoice("xla", reason)
+  return choice
 
 
 def _check_qkv(q, k, v, q_segment_ids, kv_segment_ids):

@@ -26,13 +26,17 @@ mesh axes that split the tensor (`fp8jax.kernel_partitioning`; XLA combines
 these scalar all-reduces into one), so no activation or gradient is gathered.
 Inside `jax.shard_map` (per-device code, where a Pallas call would have to
 declare how each output varies over the mesh) the jnp form runs: the same
-numbers, more kernels. `fused_kernels(True)` forces the kernels on,
-`fused_kernels(False)` off.
+numbers, more kernels. So does a tensor sharded over an explicit-axis mesh
+(`AxisType.Explicit`: the sharding is in its type, and a Pallas call takes
+only unsharded types), with a warning when JAX's backend is a GPU.
+`fused_kernels(True)` forces the kernels on (an error for explicitly sharded
+tensors), `fused_kernels(False)` off.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +44,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from fp8jax.formats import Fp8Format
 from fp8jax.amax import amax, amax_max
+from fp8jax.explicit_mesh import is_explicitly_sharded
 from fp8jax.quantize import quantize
 from fp8jax.kernel_partitioning import shard_local, shard_local_weight_cast, vmapped_as
 from fp8jax.sharding import varying_axes
@@ -66,11 +71,26 @@ def kernels_allowed(*trees) -> bool:
 
   Yes in every program partitioned by XLA (one device or a mesh, plain `jit`):
   each kernel runs on its device's shard (`fp8jax.kernel_partitioning`). No
-  inside `shard_map` (per-device code), where the jnp form runs.
+  inside `shard_map` (per-device code), nor for arrays sharded over explicit
+  mesh axes, where the jnp form runs.
   """
   forced = _FORCED.get()
+  explicit = is_explicitly_sharded(*trees)
+  if forced and explicit:
+    raise ValueError(
+        "fused_kernels(True): the fused FP8 kernels cannot take arrays sharded over an "
+        "explicit-axis mesh (jax.sharding.AxisType.Explicit): a Pallas call accepts only "
+        "unsharded types. Leave fused_kernels unset there (the jnp form runs), or make the "
+        "mesh with AxisType.Auto axes, where each device runs the kernels on its shard.")
   if forced is not None:
     return forced
+  if explicit:
+    if jax.default_backend() == "gpu":
+      warnings.warn(
+          "fp8jax's fused FP8 kernels do not run on arrays sharded over an explicit-axis mesh "
+          "(jax.sharding.AxisType.Explicit); the jnp form runs instead (same numbers, more "
+          "kernels). Make the mesh with AxisType.Auto axes to keep the kernels.", stacklevel=3)
+    return False
   return not varying_axes(*trees) and not inside_shard_map()
 
 

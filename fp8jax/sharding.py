@@ -4,9 +4,24 @@ The amax that FP8 scaling needs is the amax of the *logical* tensor, and the
 FP8 state (scales, histories) is the same on every device. How that comes about
 depends on how the step is partitioned:
 
-* Plain `jax.jit` with sharded inputs (GSPMD, or explicit-sharding meshes):
-  every array is a global array, so `max(abs(x))` is already the global amax
-  and nothing here is needed.
+* Plain `jax.jit` with sharded inputs on a mesh of `AxisType.Auto` axes
+  (GSPMD): every array is a global array, so `max(abs(x))` is already the
+  global amax and nothing here is needed.
+* Plain `jax.jit` on a mesh of `AxisType.Explicit` axes (shardings in the
+  types; with `jax.set_mesh` or arrays placed with `NamedSharding` alone): the
+  amaxes are global as above. There `fp8_dense`, `fp8_dot_general` and
+  `fp8_einsum` with per-tensor recipes (`DelayedScaling`, `CurrentScaling`, a
+  recipe of your own) train data parallel (batch split, kernels replicated)
+  and FSDP (kernels also split on their rows over the batch axes), giving the
+  one-device FP8 state: each GEMM names the sharding of its product, a
+  gradient that of its parameter (`fp8jax.explicit_mesh`). Other kernel
+  shardings (tensor parallelism) follow the same rule but are not yet covered
+  by tests. Unlike on Auto axes, fp8jax's fused FP8 kernels do not run on
+  explicitly sharded tensors (the jnp form runs, with a warning on a GPU;
+  `fused_kernels(True)` raises ValueError), attention runs its "xla" backend
+  only (asking for another raises ValueError), and per-row / per-block recipes
+  (`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`) raise ValueError: use Auto
+  axes for those.
 * `jax.shard_map` (per-device code): each device sees only its shard, so a
   local amax is a shard's amax. fp8jax handles this from the types that
   shard_map gives values (`check_vma=True`, the default): JAX records along
