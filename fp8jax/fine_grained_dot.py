@@ -53,6 +53,7 @@ from fp8jax.block_quantize import BlockQuantized, dequantize_blocks
 from fp8jax.explicit_mesh import is_explicitly_sharded
 from fp8jax.meta import DotMeta
 from fp8jax.scaling import amaxes_unbatched_like, record_amax
+from fp8jax.shard_map_warnings import warn_if_scales_are_per_shard
 
 
 def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
@@ -68,6 +69,10 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
     (out, new_meta) as `fp8jax.fp8_dot_general`: out in x's dtype with
     dot_general's shape [batch, x free, kernel free].
 
+  Inside `jax.shard_map` the scales are those of each device's part of the
+  operands, which differ from one device's where a contracted axis is split
+  (`fp8jax.shard_map_warnings` warns); under plain `jit` they are global.
+
   Raises:
     ValueError: x or kernel is sharded over an explicit-axis mesh.
   """
@@ -79,6 +84,7 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
         f"run on arrays sharded over an explicit-axis mesh (x {jax.typeof(x)}, kernel "
         f"{jax.typeof(kernel)}). Use DelayedScaling or CurrentScaling on that mesh, or make "
         "the mesh with jax.sharding.AxisType.Auto axes, where XLA partitions this recipe.")
+  warn_if_scales_are_per_shard(meta.recipe, x, kernel)
   (x_contract, k_contract), (x_batch, k_batch) = dims
   x_free = [a for a in range(x.ndim) if a not in x_contract + x_batch]
   k_free = [a for a in range(kernel.ndim) if a not in k_contract + k_batch]

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
+from fp8jax.manual_axes import split_state_message
 from fp8jax.recipes import Recipe, check_recipe
 from fp8jax.validation import check_format
 
@@ -177,6 +178,10 @@ def check_role_meta(meta: Any, argname: str) -> None:
           f"{argname}.{field} has shape {jnp.shape(getattr(meta, field))}, expected a scalar "
           "(). A meta stacked over layers must be sliced per layer (jax.lax.scan / nn.scan).")
   if jnp.shape(meta.amax_history) != (history_len,):
+    split = split_state_message(f"{argname}.amax_history", jnp.shape(meta.amax_history),
+                                meta.recipe)
+    if split:  # shard_map's in_specs gave each device a slice of the history
+      raise ValueError(split)
     raise ValueError(
         f"{argname}.amax_history has shape {jnp.shape(meta.amax_history)}, but its "
         f"recipe {meta.recipe} keeps a history of length {history_len}. Re-create the "

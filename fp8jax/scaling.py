@@ -34,6 +34,7 @@ from fp8jax.formats import Fp8Format
 from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta, map_metas
 from fp8jax.amax import amax, amax_max, unbatched_like
 from fp8jax.block_quantize import round_down_to_power_of_two
+from fp8jax.manual_axes import split_state_message
 from fp8jax.quantize import quantize
 from fp8jax.sharding import global_amax
 from fp8jax.validation import check_format, check_int
@@ -153,7 +154,13 @@ def _check_shapes(fp8_state) -> None:
     want = {"scale_inv": rows, "amax": rows,
             "amax_history": rows + (meta.recipe.history_len,)}
     for field, shape in want.items():
-      if jnp.shape(getattr(meta, field)) != shape:
+      got = jnp.shape(getattr(meta, field))
+      if got != shape:
+        if field == "amax_history" and got[:-1] == rows:
+          split = split_state_message(f"fp8_state{jax.tree_util.keystr(path)}.{field}", got,
+                                      meta.recipe)
+          if split:  # shard_map's in_specs gave each device a slice of the history
+            raise ValueError(split)
         raise ValueError(
             f"fp8_state{jax.tree_util.keystr(path)}.{field} has shape "
             f"{jnp.shape(getattr(meta, field))}, but scale has shape {rows} and the recipe "

@@ -15,7 +15,8 @@ separate trees, so an optimizer only ever sees parameter gradients.
 On a device mesh: under plain `jax.jit` with sharded arrays nothing changes.
 Inside `jax.shard_map` the in-step state is reduced by max over the devices
 before the step closes (see `fp8jax.sharding`); with `check_vma=False` or
-`pmap`, say over which axes with `axis_name`.
+`pmap`, say over which axes with `axis_name` (a step traced per device without
+it warns: its state would keep one device's amaxes).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from fp8jax.meta import check_fp8_state, is_meta
 from fp8jax.scaling import begin_step, close_step, end_step, merge_step
 from fp8jax.meta_threading import checking_threading
 from fp8jax.state_gradients import differentiating_fp8_state
+from fp8jax.shard_map_warnings import warn_if_amaxes_stay_local
 from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
 
 
@@ -47,6 +49,8 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
       amaxes are combined by max before the step closes. Not needed under plain
       `jit` nor inside `shard_map` with `check_vma=True` (the default), where
       fp8jax reduces over every axis along which the state became device-varying.
+      Per-device code over manual axes it does not name warns when traced: the
+      state would keep one device's amaxes.
       Gradients are not reduced: that stays the caller's choice (note that with
       `check_vma=True` JAX already sums the gradients of replicated parameters).
     report_overflow: also return `overflow`, a bool[] that is True when any amax
@@ -63,10 +67,11 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
     the structure of `params`; `next_fp8_state` that of `fp8_state`.
   """
   _check_loss_fn(loss_fn)
-  normalize_axis_name(axis_name)
+  names = normalize_axis_name(axis_name)
 
   def wrapped(params, fp8_state, *args):
     check_fp8_state(fp8_state, "fp8_state")
+    warn_if_amaxes_stay_local("fp8jax.value_and_grad", names, fp8_state)
     state = _open(fp8_state, (params, args))
     value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state, args)
     # The forward pass recorded x and kernel amaxes, the backward pass gradient
@@ -114,8 +119,9 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
     mean grads, next_fp8_state)`.
   """
   _check_loss_fn(loss_fn)
-  normalize_axis_name(axis_name)
+  names = normalize_axis_name(axis_name)
   check_fp8_state(fp8_state, "fp8_state")
+  warn_if_amaxes_stay_local("fp8jax.accumulate_gradients", names, fp8_state)
   leaves = jax.tree.leaves(microbatches)
   if not leaves or any(jnp.ndim(leaf) == 0 for leaf in leaves):
     raise ValueError(
