@@ -5,7 +5,7 @@ import dataclasses
 import os
 
 from fp8jax.cli.compile_options import add_compile_options, check_target
-from fp8jax.cli.errors import CommandError, report_user_errors
+from fp8jax.cli.errors import CommandError, add_traceback_option, report_user_errors
 from fp8jax.cli.factory import factory_label, load_factory
 
 # `fp8jax cost --recipe NAME`: the public recipe each name builds.
@@ -46,10 +46,11 @@ def add_parser(commands) -> None:
   cost_parser.add_argument("--summary", action="store_true",
                            help="print the totals only, not the per-kernel tables")
   add_compile_options(cost_parser)
+  add_traceback_option(cost_parser)
 
 
 def run(args) -> int:
-  return report_user_errors(lambda: _predict(args))
+  return report_user_errors(lambda: _predict(args), show_traceback=args.traceback)
 
 
 def _predict(args) -> int:

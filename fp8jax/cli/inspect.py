@@ -6,7 +6,7 @@ import os
 import sys
 
 from fp8jax.cli.compile_options import add_compile_options
-from fp8jax.cli.errors import CommandError, report_user_errors
+from fp8jax.cli.errors import CommandError, add_traceback_option, report_user_errors
 from fp8jax.cli.factory import load_factory
 
 
@@ -21,6 +21,7 @@ def add_parser(commands) -> None:
                       help="read optimized HLO text from FILE instead of compiling "
                            "(PTX files next to it are read too)")
   add_compile_options(inspect_parser)
+  add_traceback_option(inspect_parser)
   inspect_parser.add_argument("--no-ptx", action="store_true",
                               help="do not read the generated PTX")
   inspect_parser.add_argument("--strict", action="store_true",
@@ -28,7 +29,7 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-  return report_user_errors(lambda: _inspect(args))
+  return report_user_errors(lambda: _inspect(args), show_traceback=args.traceback)
 
 
 def _inspect(args) -> int:
