@@ -22,6 +22,29 @@ layers keep no margin and use E4M3 for x and kernel, E5M2 for gradients, with
 the max over the history: the recipe is `DelayedScaling(amax_history_len=L,
 amax_compute_algo="max", margin=0, fp8_format="hybrid")`.
 
+What carries over, and when the next step is the same step:
+
+* The state, always: fp8jax's next scales are the ones Flax's next step computes,
+  and `to_flax_fp8_ops(from_flax_fp8_ops(s))` continues exactly as `s` does.
+* The step, in float32 with `Fp8DirectDotGeneralOp`: the two libraries compute
+  the same step. After the same steps on the same inputs the converted Flax state
+  is fp8jax's own state bit for bit, and the next step's outputs and gradients
+  agree up to how each applies a scale (Flax divides by `1 / s`, fp8jax multiplies
+  by `s`: a float32 ulp, which can move an element across an FP8 rounding boundary).
+* Not in bf16 (a compute dtype other than float32): Flax quantizes in bf16
+  (`x / scale` with the scale rounded to bf16, then the cast to FP8: two
+  roundings) and forms and descales each GEMM's product in bf16, where fp8jax
+  scales and descales in float32 and rounds once. From the same state the next
+  step's outputs and gradients differ by percents (7 to 12% of the largest
+  gradient element of a small two-layer MLP), and the amaxes downstream of the
+  first product differ from then on: switching carries the scales over, not the
+  trajectory.
+* Not bit for bit with `Fp8DotGeneralOp` (Flax's deprecated quantize-dequantize
+  op), even in float32: it multiplies dequantized operands where fp8jax descales
+  the FP8 product, so tensors computed from a product (a later layer's input, an
+  earlier layer's output gradient) and their amaxes differ in the last float32
+  bits (~1e-7 relative). Pass `op_name="Fp8DotGeneralOp"` to `to_flax_fp8_ops`.
+
 Layer names: Flax's op submodule is named after its class
 (`Dense_0/Fp8DirectDotGeneralOp_0`), fp8jax's after `Fp8DotGeneral`
 (`Dense_0/Fp8DotGeneral_0/dot_meta`); the conversion renames them, so the
@@ -61,6 +84,12 @@ def from_flax_fp8_ops(flax_state: Mapping) -> dict:
     A nested dict of the same layout where each Flax op node `<FlaxOp>_i` becomes
     `Fp8DotGeneral_i: {"dot_meta": DotMeta}`; ready as a linen model's
     "fp8_meta" collection.
+
+  The next step uses exactly the scales Flax's next step would. It is the step
+  Flax would take (up to a float32 ulp of how the scale is applied) for state of
+  `Fp8DirectDotGeneralOp` in float32 only; in bf16 the two libraries' steps
+  differ by percents, and with `Fp8DotGeneralOp` in the last float32 bits (see
+  the module docstring for why).
   """
   if not isinstance(flax_state, Mapping):
     raise TypeError(
@@ -93,6 +122,12 @@ def to_flax_fp8_ops(fp8_state: Mapping, op_name: str = FLAX_OP_NAMES[0]) -> dict
   Returns:
     The "_overwrite_with_gradient" collection for the same model with
     `dot_general_cls` set to that Flax op.
+
+  Flax's next step recomputes exactly the scales fp8jax's next step would use,
+  and converting Flax state there and back changes nothing. Flax's step then
+  equals fp8jax's (up to a float32 ulp of how the scale is applied) in float32
+  with `Fp8DirectDotGeneralOp` only; in bf16 they differ by percents, and with
+  `Fp8DotGeneralOp` in the last float32 bits (see the module docstring).
   """
   if not isinstance(fp8_state, Mapping):
     raise TypeError(f"fp8_state must be a linen 'fp8_meta' collection (a dict), got "
