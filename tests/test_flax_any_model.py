@@ -266,6 +266,13 @@ def test_a_dot_that_a_module_calls_itself_computes_what_fp8_dot_general_computes
       (((2,), (0,)), ((), ())))
   np.testing.assert_array_equal(out, expected + params["bias"])
   assert_trees_equal(updates["fp8_meta"]["dot_general_0"], expected_meta)
+  # And against float64 numpy: E4M3 keeps 3 mantissa bits, so each operand element is
+  # off by up to 2^-4 relative (rms 2^-4 / sqrt(3), 3.6%); with the two operands' errors
+  # independent the output's norm-relative error is about sqrt(2) x 3.6% = 5% (measured
+  # 4.2%). 8% passes FP8 rounding and fails a missing descale or a transposed kernel.
+  want = (np.asarray(x, np.float64) @ np.asarray(params["kernel"], np.float64).T
+          + np.asarray(params["bias"], np.float64))
+  assert np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want) < 0.08
 
 
 def test_two_rules_give_two_recipes_to_two_parts_of_one_model():
@@ -379,3 +386,115 @@ def test_on_h100_every_converted_dot_is_three_fp8_cublaslt_gemms(pattern):
   assert roles == {"fprop": converted + recomputed, "dgrad": converted, "wgrad": converted}, \
       str(report)
   assert not report.not_fp8(), str(report)
+
+
+# ----- the calls read as dot_general, and the places FP8 cannot go -----------------------
+
+
+@pytest.mark.parametrize("kind, args, kwargs", [
+    ("einsum", ("bqhd,bkhd->bhqk", (2, 8, 3, 16), (2, 4, 3, 16)), {}),
+    ("einsum", ("...d,ed", (2, 3, 16), (4, 16)), {}),  # implicit output, ellipsis
+    ("einsum", ("ij,jk", (8, 16), (16, 4)), {"preferred_element_type": jnp.float32}),
+    ("einsum", ("hbk,bhk->bh", (3, 2, 16), (2, 3, 16)), {}),  # batch dims out of order
+    ("matmul", ((2, 8, 16), (16, 4)), {}),
+    ("matmul", ((3, 8, 16), (3, 16, 4)), {}),
+    ("dot", ((2, 8, 16), (16, 4)), {}),
+    ("dot_general", ((2, 8, 16), (8, 4, 16), (((2,), (2,)), ((1,), (0,)))), {}),
+])
+def test_each_call_read_as_dot_general_gives_what_jax_gives(kind, args, kwargs):
+  from fp8jax.flax.dot_calls import read_dot_call
+  # Small integers in float32: every product and sum is exact, so any two correct
+  # computations agree bit for bit whatever their summation order.
+  arrays = [jnp.round(4 * jax.random.normal(jax.random.key(i), a)) if isinstance(a, tuple)
+            and all(isinstance(d, int) for d in a) else a for i, a in enumerate(args)]
+  if kind == "dot_general":
+    arrays = arrays[:2] + [args[2]]
+  want = {"einsum": jnp.einsum, "matmul": jnp.matmul, "dot": jnp.dot,
+          "dot_general": lax.dot_general}[kind](*arrays, **kwargs)
+  call = read_dot_call(kind, tuple(arrays), kwargs)
+  assert call is not None and call.blocker is None, call
+  got = lax.dot_general(call.lhs, call.rhs, call.dims)
+  if call.permutation is not None:
+    got = jnp.transpose(got, call.permutation)
+  assert got.astype(call.dtype).dtype == want.dtype
+  np.testing.assert_array_equal(got, want)
+
+
+def test_an_einsum_whose_batch_dims_broadcast_stays_in_high_precision():
+  class Broadcast(nn.Module):
+    @nn.compact
+    def __call__(self, x, y):
+      return jnp.einsum("bij,bjk->bik", x, y)
+
+  x, y = _normal_array((1, 16, 32), 0), _normal_array((3, 32, 16), 1)
+  with pytest.warns(UserWarning, match="einsum.*stays in high precision: its batch dims"):
+    variables = Fp8Model(Broadcast(), rules=ALL).init(jax.random.key(0), x, y)
+  np.testing.assert_array_equal(Fp8Model(Broadcast(), rules=ALL).apply(variables, x, y),
+                                jnp.einsum("bij,bjk->bik", x, y))
+
+
+def test_flax_multi_head_attention_runs_its_attention_products_in_fp8():
+  attention = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32)
+  x = _normal_array((BATCH, SEQ, WIDTH), 0)
+  fp8_model = Fp8Model(attention, rules=ALL)
+  variables = fp8_model.init(jax.random.key(1), x)
+  rows = _rows(fp8_model.report(jax.random.key(1), x))
+  # q, k, v and out are DenseGeneral layers; the two products are dot_product_attention's
+  # einsums, which Flax calls with lax.dot_general as their _dot_general.
+  assert {kind for (_, kind), row in rows.items() if row.fp8} == {"DenseGeneral", "einsum"}
+  assert len(rows) == 6 and all(row.fp8 for row in rows.values()), rows
+  assert set(variables["fp8_meta"]) == {"query", "key", "value", "out", "einsum_0", "einsum_1"}
+
+  def loss_fn(params, fp8_state):
+    out, updates = fp8_model.apply({"params": params, "fp8_meta": fp8_state}, x,
+                                   mutable=["fp8_meta"])
+    return jnp.mean(out ** 2), updates["fp8_meta"]
+
+  _, _, state = jax.jit(fp8jax.value_and_grad(loss_fn))(variables["params"],
+                                                         variables["fp8_meta"])
+  assert float(state["einsum_1"].x.amax_history[0]) > 0  # the softmax weights, recorded
+
+
+@pytest.mark.parametrize("transform", ["checkpoint", "scan"])
+def test_a_dot_inside_a_raw_jax_transform_stays_in_high_precision_with_a_warning(transform):
+  class Inner(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kernel = self.param("kernel", nn.initializers.normal(0.1), (WIDTH, WIDTH))
+      if transform == "checkpoint":
+        return jax.checkpoint(lambda x: jnp.matmul(x, kernel))(x)
+      return lax.scan(lambda c, _: (jnp.matmul(c, kernel), None), x, None, length=2)[0]
+
+  x = _normal_array((BATCH, WIDTH), 0)
+  fp8_model = Fp8Model(Inner(), rules=ALL)
+  with pytest.warns(UserWarning, match="matmul.*inside a JAX transform.*nn.remat, nn.scan"):
+    variables = fp8_model.init(jax.random.key(1), x)
+  assert "fp8_meta" not in variables
+  out = fp8_model.apply(variables, x)
+  np.testing.assert_array_equal(out, Inner().apply(variables, x))
+
+
+def test_apply_without_the_state_of_rematerialized_blocks_says_to_pass_it():
+  fp8_model = Fp8Model(LanguageModel(blocks="remat"), rules=ALL)
+  params = fp8_model.init(jax.random.key(1), _ids(0))["params"]
+  with pytest.raises(ValueError, match="no 'fp8_meta' state for it. Pass the 'fp8_meta'"):
+    fp8_model.apply({"params": params}, _ids(0))
+
+
+def test_a_module_sharing_the_roots_scope_keeps_its_state_at_its_own_path():
+  class Shared(nn.Module):
+    def setup(self):
+      self.inner = Conv1D(WIDTH)
+      nn.share_scope(self, self.inner)
+
+    def __call__(self, x):
+      return self.inner(x)
+
+  x = _normal_array((BATCH, WIDTH), 0)
+  variables = Fp8Model(Shared(), rules=ALL).init(jax.random.key(1), x)
+  assert set(variables["params"]) == {"kernel", "bias"}
+  assert set(variables["fp8_meta"]) == {"dot_general_0"}
+
+
+def _normal_array(shape, seed):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)

@@ -19,6 +19,7 @@ import opt_einsum
 from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo
+from fp8jax.flax.op_routing import is_jax_function
 from fp8jax.meta import DotMeta
 
 
@@ -77,7 +78,7 @@ def read_dot_call(kind: str, args: tuple, kwargs: dict) -> DotCall | None:
 def fp8_dot_call(call: DotCall, meta: DotMeta):
   """The call computed by `fp8_dot_general` with `meta`: (output as the call gives it,
   new_meta). The operands are promoted to their common dtype first, as the call would."""
-  dtype = jnp.result_type(call.lhs.dtype, call.rhs.dtype)
+  dtype = jnp.result_type(call.lhs, call.rhs)  # weak types promote as in the call
   y, new_meta = fp8_dot_general(call.lhs.astype(dtype), call.rhs.astype(dtype), meta, call.dims)
   if call.permutation is not None:
     y = jnp.transpose(y, call.permutation)
@@ -105,7 +106,7 @@ def _options_blocker(precision=None, preferred_element_type=None, out_sharding=N
 def _dtype(lhs, rhs, preferred_element_type):
   if preferred_element_type is not None:
     return jnp.dtype(preferred_element_type)
-  return jnp.result_type(lhs.dtype, rhs.dtype)
+  return jnp.result_type(lhs, rhs)
 
 
 def _read_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -127,6 +128,8 @@ def _read_einsum(subscripts, *operands, out=None, optimize=None, precision=None,
   if not isinstance(subscripts, str):
     return DotCall("einsum", operands[0], operands[1], blocker="its subscripts are not a string")
   lhs, rhs = operands
+  if _dot_general is not None and is_jax_function(_dot_general, "dot_general"):
+    _dot_general = None  # Flax's attention passes lax.dot_general itself: the default
   blocker = _options_blocker(precision, preferred_element_type, out=out,
                              _dot_general=_dot_general, **options)
   try:
@@ -139,6 +142,8 @@ def _read_einsum(subscripts, *operands, out=None, optimize=None, precision=None,
     return DotCall("einsum", lhs, rhs, blocker=blocker or str(error).rstrip("."))
   batch = [c for c in x_labels if c in k_labels and c in out_labels]
   contract = [c for c in x_labels if c in k_labels and c not in out_labels]
+  if any(lhs.shape[x_labels.index(c)] != rhs.shape[k_labels.index(c)] for c in batch):
+    return DotCall("einsum", lhs, rhs, blocker=blocker or "its batch dims broadcast")
   dims = ((tuple(x_labels.index(c) for c in contract), tuple(k_labels.index(c) for c in contract)),
           (tuple(x_labels.index(c) for c in batch), tuple(k_labels.index(c) for c in batch)))
   produced = batch + [c for c in x_labels if c not in k_labels] + [

@@ -52,7 +52,7 @@ state fits the same model with `dot_general_cls=fp8jax.flax.linen.Fp8DotGeneral`
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax.numpy as jnp
 from jax import lax

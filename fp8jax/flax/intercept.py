@@ -4,8 +4,8 @@
 rules and filters choose them: its `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum`
 layers (as `fp8jax.fp8_dense` / `fp8_dot_general` / `fp8_einsum`) and every
 `lax.dot_general`, `jnp.einsum`, `jnp.matmul` and `jnp.dot` its modules call
-themselves (custom layers such as GPT-2's `Conv1D`, attention products), as
-`fp8jax.fp8_dot_general`:
+themselves (custom layers such as GPT-2's `Conv1D`, attention products written
+with `jnp.einsum`), as `fp8jax.fp8_dot_general`:
 
     fp8_model = Fp8Model(model)        # default_layer_filter, DelayedScaling()
     variables = fp8_model.init(rng, x)
@@ -44,7 +44,8 @@ whose `variable_axes` leave out "fp8_meta" (add it there for FP8).
 
 How: `nn.intercept_methods` catches the modules' methods, and the dot functions
 are routed to fp8jax while the model is traced (`fp8jax.flax.op_routing`; a dot
-written with `@` or through a name imported before is not seen). Interception acts
+written with `@`, through a name imported before, inside a `jax.jit` function traced
+before, or inside `jax.nn.dot_product_attention` is not seen). Interception acts
 while a function is traced, which `Fp8Model.init` / `apply` ensure; with
 `fp8_dense_layers` directly, trace the jitted function inside the `with` block.
 """
@@ -197,36 +198,28 @@ class _Plan:
   fp8: Callable
 
 
-_STOCK_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
-
-
 def _intercept(session: Session, next_fun, args, kwargs, context):
   module = context.module
-  plan = _plan(module, context.method_name, args, kwargs)
-  session.enter(module, layer=_is_stock_layer(module))
+  stock = _stock_layer_kind(module)
+  plan = (_PLANS[stock](module, args, kwargs)
+          if stock is not None and context.method_name == "__call__" else None)
+  session.enter(module, layer=stock is not None)
   try:
-    if plan is None:
+    if plan is None:  # not a stock layer's call, or a call it handles (or rejects) itself
       return next_fun(*args, **kwargs)
     return session.run_layer(plan, next_fun, args, kwargs)
   finally:
     session.exit()
 
 
-def _is_stock_layer(module) -> bool:
-  # A subclass with its own __call__ computes something else: its dots are its own.
-  return any(isinstance(module, kind) and type(module).__call__ is kind.__call__
-             for kind in _STOCK_LAYERS)
+def _stock_layer_kind(module) -> type | None:
+  """nn.Dense, nn.DenseGeneral or nn.Einsum when `module` computes as that layer, else None.
 
-
-def _plan(module, method_name, args, kwargs) -> _Plan | None:
-  """The plan of a stock Dense / DenseGeneral / Einsum `__call__`, else None (left alone)."""
-  if method_name != "__call__":
-    return None
-  for kind, plan in ((nn.Dense, _dense_plan), (nn.DenseGeneral, _dense_general_plan),
-                     (nn.Einsum, _einsum_plan)):
-    # A subclass with its own __call__ computes something else: leave it alone.
+  A subclass with its own __call__ computes something else: its dots are its own.
+  """
+  for kind in (nn.Dense, nn.DenseGeneral, nn.Einsum):
     if isinstance(module, kind) and type(module).__call__ is kind.__call__:
-      return plan(module, args, kwargs)
+      return kind
   return None
 
 
@@ -355,3 +348,6 @@ def _einsum_blocker(module, spec, x, shape, in_features) -> str | None:
 
 def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+_PLANS = {nn.Dense: _dense_plan, nn.DenseGeneral: _dense_general_plan, nn.Einsum: _einsum_plan}

@@ -28,6 +28,7 @@ import dataclasses
 import warnings
 
 import flax.linen as nn
+from flax.core.tracers import current_trace
 
 from fp8jax.flax.dot_calls import fp8_dot_call, read_dot_call
 from fp8jax.flax.dot_report import DotRecord, Fp8Report
@@ -77,7 +78,7 @@ class Session:
     self.layer_filter, self.recipe, self.rules = layer_filter, recipe, rules
     self.frames: list[_Frame] = []
     self.records: dict[tuple, DotRecord] = {}
-    self._in_fp8_op = False
+    self._handled = False  # inside a dot already decided: its inner dots are its own
 
   # ----- module calls ------------------------------------------------------------------
 
@@ -87,7 +88,9 @@ class Session:
       frame = _Frame(module, layer, None, (), {})
     elif module is top.module:  # a method calling another method of the same module
       frame = dataclasses.replace(top, layer=top.layer or layer)
-    elif not module.path:  # the root of an apply nested in a module's call
+    elif not module.path and module.scope.root is not top.module.scope.root:
+      # the root of an apply nested in a module's call (not a module shared into the
+      # root's scope, nn.share_scope, whose path is empty too)
       name = f"{module.name or type(module).__name__}_apply"
       home = top.home or top.module
       prefix = top.prefix + (tuple(top.module.path) if top.home is not None else ()) + (name,)
@@ -120,10 +123,10 @@ class Session:
     out = None
     if not module.has_variable("params", "kernel"):
       out = next_fun(*args, **kwargs)  # the layer creates its parameters with its own code
-    meta = self._read_state(frame, "dot_meta", decision.recipe, layer)
+    meta, why_not = self._read_state(frame, "dot_meta", decision.recipe, layer)
     if meta is None:
       out = next_fun(*args, **kwargs) if out is None else out
-      return self._stays_high_precision(layer, _NO_PLACE, out)
+      return self._stays_high_precision(layer, why_not, out)
     kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
     bias = nn.meta.unbox(module.get_variable("params", "bias")) if module.use_bias else None
     with self._fp8_op():
@@ -136,11 +139,11 @@ class Session:
 
   def run_op(self, kind, original, args, kwargs):
     """A call of `lax.dot_general` / `jnp.einsum` / `jnp.matmul` / `jnp.dot`."""
-    if not self.frames or self._in_fp8_op or self.frames[-1].layer:
+    if not self.frames or self._handled or self.frames[-1].layer:
       return original(*args, **kwargs)
     call = read_dot_call(kind, args, kwargs)
     if call is None:
-      return original(*args, **kwargs)
+      return self._pass_on(original, args, kwargs)
     frame = self.frames[-1]
     name = frame.next_name(kind)
     dot = call.info(frame.path + (name,))
@@ -148,12 +151,13 @@ class Session:
                       "default_layer_filter")
     if decision.recipe is None:
       self._record(dot, None, decision.reason)
-      return original(*args, **kwargs)
+      return self._pass_on(original, args, kwargs)
     if call.blocker is not None:
-      return self._stays_high_precision(dot, call.blocker, original(*args, **kwargs))
-    meta = self._read_state(frame, name, decision.recipe, dot)
+      return self._stays_high_precision(dot, call.blocker,
+                                        self._pass_on(original, args, kwargs))
+    meta, why_not = self._read_state(frame, name, decision.recipe, dot)
     if meta is None:
-      return self._stays_high_precision(dot, _NO_PLACE, original(*args, **kwargs))
+      return self._stays_high_precision(dot, why_not, self._pass_on(original, args, kwargs))
     with self._fp8_op():
       y, new_meta = fp8_dot_call(call, meta)
     self._write_state(frame, name, new_meta)
@@ -174,9 +178,13 @@ class Session:
     return (frame.home or frame.module).is_initializing()
 
   def _read_state(self, frame: _Frame, name: str, recipe, dot: LayerInfo):
-    """The dot's state (made fresh where the collection is mutable), or None where no state
-    can live; raises where the state should have been passed."""
+    """(the dot's state, None), made fresh where the collection is mutable; or (None, why)
+    where no state can live; raises where the state should have been passed."""
+    owner = (frame.home or frame.module).scope
+    if current_trace() != owner.trace_level:
+      return None, _INNER_TRACE
     scope = self._scope(frame)
+    outer = self.frames[0].module.scope
     if scope.has_variable(FP8_COLLECTION, name):
       meta = scope.get_variable(FP8_COLLECTION, name)
       if meta.recipe != recipe:
@@ -187,16 +195,18 @@ class Session:
     elif scope.is_mutable_collection(FP8_COLLECTION):
       meta = init_dot_meta(recipe)
       scope.put_variable(FP8_COLLECTION, name, meta)
-    elif scope.root is not self.frames[0].module.scope.root:
-      return None  # inside a lifted transform that does not carry the collection
+    elif scope.root is not outer.root and (outer.is_mutable_collection(FP8_COLLECTION) or
+                                           not outer.is_collection_empty(FP8_COLLECTION)):
+      return None, _NOT_CARRIED  # the model has FP8 state, but this lift does not carry it
     else:
       raise ValueError(
           f"{_named(dot)} was chosen for FP8, but the variables given to apply have no "
           f"'{FP8_COLLECTION}' state for it. Pass the '{FP8_COLLECTION}' collection that "
           "init made with the same layer_filter and rules (variables = fp8_model.init(...)), "
-          "and do not base the filter's choice on the batch size.")
+          "and do not base the filter's choice on the batch size. (If the dot is inside "
+          "nn.scan / nn.vmap whose variable_axes leave out the collection, add it there.)")
     where = "/".join([FP8_COLLECTION, *map(str, frame.path), name])
-    return guard_fp8_state(meta, f"'{where}'")
+    return guard_fp8_state(meta, f"'{where}'"), None
 
   def _write_state(self, frame: _Frame, name: str, new_meta) -> None:
     # The init pass must not record amaxes: the first training step would then
@@ -210,11 +220,17 @@ class Session:
   @contextlib.contextmanager
   def _fp8_op(self):
     """While fp8jax's own op runs: its dots are its own, not the model's."""
-    self._in_fp8_op = True
+    self._handled = True
     try:
       yield
     finally:
-      self._in_fp8_op = False
+      self._handled = False
+
+  def _pass_on(self, original, args, kwargs):
+    """JAX's own function for a dot decided for high precision. Dots it makes inside
+    (an einsum's pairwise products through its routed `_dot_general`) belong to it."""
+    with self._fp8_op():
+      return original(*args, **kwargs)
 
   def _stays_high_precision(self, dot: LayerInfo, why: str, out):
     key = tuple(dot.path) + (dot.kind,)
@@ -230,9 +246,12 @@ class Session:
       self.records[key] = DotRecord.of(dot, recipe, reason)
 
 
-_NO_PLACE = (f"it runs inside a lifted transform (nn.scan, nn.vmap, ...) that does not carry "
+_NOT_CARRIED = (f"it runs inside a lifted transform (nn.scan, nn.vmap, ...) that does not carry "
              f"the '{FP8_COLLECTION}' collection; add '{FP8_COLLECTION}' to its variable_axes "
              f"(e.g. variable_axes={{'params': 0, '{FP8_COLLECTION}': 0}}) for FP8 there")
+_INNER_TRACE = ("it runs inside a JAX transform called within the module (jax.checkpoint, "
+                "jax.lax.scan, a jax.jit function, ...), where its state cannot be kept; use "
+                "Flax's lifted form (nn.remat, nn.scan, nn.jit) for FP8 there")
 
 
 def _named(dot: LayerInfo) -> str:

@@ -18,6 +18,7 @@ method, called from outside, is not.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -62,7 +63,7 @@ class _Calls(threading.local):
   def __init__(self):
     self.frames: list[_Frame] = []
     self.found: dict | None = None  # while finding: (module id, name) -> DotCall
-    self.in_fp8_op = False
+    self.handled = False  # inside a dot already decided: its inner dots are its own
 
 
 _calls = _Calls()
@@ -135,31 +136,39 @@ def convert_dots(modules: dict, metas: dict) -> None:
 
 def _run_dot(kind, original, args, kwargs):
   frames = _calls.frames
-  if not frames or _calls.in_fp8_op or _caller_module() is not frames[-1].module:
+  if not frames or _calls.handled or _caller_module() is not frames[-1].module:
     return original(*args, **kwargs)  # not this module's own dot
   call = read_dot_call(kind, args, kwargs)
-  if call is None:
-    return original(*args, **kwargs)
   frame = frames[-1]
-  name = frame.next_name(kind)
-  if _calls.found is not None:
-    _calls.found.setdefault((id(frame.module), name), call)
+  if call is not None:
+    name = frame.next_name(kind)
+    if _calls.found is not None:
+      _calls.found.setdefault((id(frame.module), name), call)
+    else:
+      states = getattr(frame.module, STATES_ATTRIBUTE, None)
+      variable = getattr(states, name, None)
+      if variable is not None and call.blocker is None:
+        return _fp8(call, states, variable, f"'{STATES_ATTRIBUTE}.{name}' of a "
+                    f"{type(frame.module).__name__}")
+  # JAX's own function; dots it makes inside (an einsum's pairwise products through its
+  # routed _dot_general) belong to it.
+  with _handled():
     return original(*args, **kwargs)
-  states = getattr(frame.module, STATES_ATTRIBUTE, None)
-  variable = getattr(states, name, None)
-  if variable is None or call.blocker is not None:
-    return original(*args, **kwargs)
-  return _fp8(call, states, variable, f"'{STATES_ATTRIBUTE}.{name}' of a "
-              f"{type(frame.module).__name__}")
+
+
+@contextlib.contextmanager
+def _handled():
+  _calls.handled = True
+  try:
+    yield
+  finally:
+    _calls.handled = False
 
 
 def _fp8(call: DotCall, states: Fp8DotStates, variable, where: str):
   value = variable.get_value() if hasattr(variable, "get_value") else variable.value
-  _calls.in_fp8_op = True
-  try:
+  with _handled():
     y, new_meta = fp8_dot_call(call, guard_fp8_state(value, where, fix=NNX_FIX))
-  finally:
-    _calls.in_fp8_op = False
   if not states.use_running_average:
     new_value = detach_outside_step(new_meta)
     if hasattr(variable, "set_value"):
