@@ -28,10 +28,6 @@ What "the same" means, and why:
 """
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -41,27 +37,13 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fp8jax
+from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
 
-N_DEVICES = 8
-multidevice = pytest.mark.skipif(
-    jax.device_count() < N_DEVICES,
-    reason="needs 8 devices; run by test_explicit_mesh_tests_in_8_device_subprocess")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 N_MESH_TESTS = 8
 
 
 def test_explicit_mesh_tests_in_8_device_subprocess():
-  if jax.device_count() >= N_DEVICES:
-    pytest.skip("this is the 8-device run")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                        f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
-  proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pathlib.Path(__file__))],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-  assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
-  summary = proc.stdout.strip().splitlines()[-1]
-  assert f"{N_MESH_TESTS} passed" in summary, summary  # the mesh tests ran there, none skipped
+  run_mesh_tests_in_subprocess(__file__, N_MESH_TESTS)
 
 
 B, K, H, N = 32, 16, 32, 8

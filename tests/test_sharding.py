@@ -23,10 +23,6 @@ What "the same" means, and why:
 from __future__ import annotations
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,26 +32,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp8jax
-
-N_DEVICES = 8
-multidevice = pytest.mark.skipif(
-    jax.device_count() < N_DEVICES,
-    reason="needs 8 devices; run by test_mesh_tests_in_8_device_subprocess")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
+from multidevice import multidevice, run_mesh_tests_in_subprocess
 
 def test_mesh_tests_in_8_device_subprocess():
-  if jax.device_count() >= N_DEVICES:
-    pytest.skip("this is the 8-device run")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                        f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
-  proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pathlib.Path(__file__))],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-  assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
-  summary = proc.stdout.strip().splitlines()[-1]
-  assert "12 passed" in summary, summary  # the mesh tests ran there, none skipped
+  run_mesh_tests_in_subprocess(__file__, 12)
 
 
 # A two-layer MLP in the Megatron layout: layer 1 column-parallel (kernel split
