@@ -24,11 +24,13 @@ On a mesh (plain `jit` with sharded arrays, one host or many) each kernel runs
 on its device's shard and its amax output is made global by one max over the
 mesh axes that split the tensor (`fp8jax.kernel_partitioning`; XLA combines
 these scalar all-reduces into one), so no activation or gradient is gathered.
-Inside `jax.shard_map` (per-device code, where a Pallas call would have to
-declare how each output varies over the mesh) the jnp form runs: the same
-numbers, more kernels. So does a tensor sharded over an explicit-axis mesh
-(`AxisType.Explicit`: the sharding is in its type, and a Pallas call takes
-only unsharded types), with a warning when JAX's backend is a GPU.
+Inside `jax.shard_map` (per-device code) each kernel runs on the arrays the
+device holds, declaring that its outputs vary over the mesh as their jnp
+definitions' would (`pallas_kernels.varying`); the state update there reads the
+all-reduced state packed in one vector. A tensor sharded over an explicit-axis
+mesh (`AxisType.Explicit`: the sharding is in its type, and a Pallas call takes
+only unsharded types) gets the jnp form: the same numbers, more kernels, with a
+warning when JAX's backend is a GPU.
 `fused_kernels(True)` forces the kernels on (an error for explicitly sharded
 tensors), `fused_kernels(False)` off.
 """
@@ -47,7 +49,6 @@ from fp8jax.amax import amax, amax_max
 from fp8jax.explicit_mesh import is_explicitly_sharded
 from fp8jax.quantize import quantize
 from fp8jax.kernel_partitioning import shard_local, shard_local_weight_cast, vmapped_as
-from fp8jax.sharding import varying_axes
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 _KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -70,9 +71,10 @@ def kernels_allowed(*trees) -> bool:
   """Whether the fused kernels may take the arrays in `trees` (if lowered for a GPU).
 
   Yes in every program partitioned by XLA (one device or a mesh, plain `jit`):
-  each kernel runs on its device's shard (`fp8jax.kernel_partitioning`). No
-  inside `shard_map` (per-device code), nor for arrays sharded over explicit
-  mesh axes, where the jnp form runs.
+  each kernel runs on its device's shard (`fp8jax.kernel_partitioning`). Yes
+  inside `shard_map` (per-device code), where this JAX lets a kernel declare how
+  its outputs vary over the mesh. No for arrays sharded over explicit mesh
+  axes, where the jnp form runs.
   """
   forced = _FORCED.get()
   explicit = is_explicitly_sharded(*trees)
@@ -91,7 +93,7 @@ def kernels_allowed(*trees) -> bool:
           "(jax.sharding.AxisType.Explicit); the jnp form runs instead (same numbers, more "
           "kernels). Make the mesh with AxisType.Auto axes to keep the kernels.", stacklevel=3)
     return False
-  return not varying_axes(*trees) and not inside_shard_map()
+  return not inside_shard_map() or pallas_kernels.can_declare_varying_outputs()
 
 
 def inside_shard_map() -> bool:
@@ -155,7 +157,9 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
 
   def kernel(x, scale, running_amax, descale, partner_descales, gathered_for):
     descales = (descale, *partner_descales) if with_products else ()
-    if gathered_for is None:
+    if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
+      q, q_t, new_amax, *products = local_kernel(x, scale, running_amax, *descales)
+    elif gathered_for is None:
       q, q_t, new_amax, *products = per_shard(x, scale, running_amax, *descales)
     else:
       q, q_t, new_amax, *products = shard_local_weight_cast(local_kernel)(
@@ -176,6 +180,8 @@ def tensor_amax(x: jax.Array) -> jax.Array:
     return amax_max(start, amax(x))
 
   def kernel(x, start):
+    if inside_shard_map():
+      return pallas_kernels.running_amax(x, start)
     return _per_shard_amax(x, start)[0]
 
   if not _takes(x):
@@ -189,9 +195,13 @@ def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_
   `fp8jax.scaling`), or `pallas_kernels.close_steps` doing the same in one launch."""
 
   def kernel(amaxes, other_amaxes, histories, scales):
+    # Inside shard_map the state arrives as slices of one all-reduced vector
+    # (`fp8jax.all_reduce_amax`); packed, they fold back into it instead of
+    # each slice being a kernel.
     return pallas_kernels.close_steps(
         amaxes, histories, scales, numerators=numerators, history_len=history_len,
-        amax_compute_algo=amax_compute_algo, other_amaxes=other_amaxes)
+        amax_compute_algo=amax_compute_algo, other_amaxes=other_amaxes,
+        packed=inside_shard_map())
 
   return choose((amaxes, other_amaxes, histories, scales), kernel, reference)
 

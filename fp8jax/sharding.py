@@ -52,7 +52,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from fp8jax.meta import check_fp8_state
+from fp8jax.meta import check_fp8_state, is_meta
+from pallas_kernels.varying import vary, varying_axes as kernel_varying_axes
 
 AxisName = str | Sequence[str] | None
 
@@ -62,34 +63,14 @@ def varying_axes(*trees: Any) -> frozenset:
 
   Empty outside `shard_map`, and inside `shard_map(..., check_vma=False)`.
   """
-  axes = set()
-  for leaf in jax.tree.leaves(trees):
-    if isinstance(leaf, jax.Array):  # tracers are jax.Arrays too
-      axes |= _varying(leaf)
-  return frozenset(axes)
-
-
-def _varying(x) -> frozenset:
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", ()))          # older spelling
-
-
-def _to_varying(x, axes: frozenset):
-  """`x` marked as varying along `axes` too (no data moves; a no-op outside shard_map)."""
-  missing = tuple(sorted(axes - _varying(x)))
-  if not missing:
-    return x
-  return jax.lax.pcast(x, missing, to="varying")
+  return kernel_varying_axes(*trees)
 
 
 def vary_like(tree: Any, axes: frozenset) -> Any:
   """Every array leaf of `tree` marked as varying along `axes` (gradients sum back)."""
   if not axes:
     return tree
-  return jax.tree.map(lambda a: _to_varying(a, axes), tree)
+  return jax.tree.map(lambda a: vary(a, axes), tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -123,7 +104,7 @@ def match_operand_axes(x: jax.Array, kernel: jax.Array, meta: Any):
   missing_meta = axes - varying_axes(meta)
   if missing_meta:
     meta = _vary_for_max(meta, tuple(sorted(missing_meta)))
-  return _to_varying(x, axes), _to_varying(kernel, axes), meta
+  return vary(x, axes), vary(kernel, axes), meta
 
 
 def global_amax(local_amax: jax.Array, like: jax.Array) -> jax.Array:
@@ -132,7 +113,7 @@ def global_amax(local_amax: jax.Array, like: jax.Array) -> jax.Array:
   `local_amax` is `like`'s own amax; under `shard_map` it is combined by max over
   the mesh axes along which `like` varies. Outside shard_map it is returned as is.
   """
-  axes = tuple(sorted(_varying(like)))
+  axes = tuple(sorted(kernel_varying_axes(like)))
   if not axes:
     return local_amax
   return jax.lax.pmax(local_amax, axes)
@@ -179,13 +160,13 @@ def all_reduce_amax(fp8_state: Any, axis_name: AxisName = None) -> Any:
   """
   check_fp8_state(fp8_state, "fp8_state")
   names = normalize_axis_name(axis_name)
-  leaves, treedef = jax.tree.flatten(fp8_state)
   axes = tuple(sorted(set(names) | varying_axes(fp8_state)))
+  leaves, unflatten = _fields_first(fp8_state)
   if not axes or not leaves:
     return fp8_state
   shapes = [jnp.shape(leaf) for leaf in leaves]
   try:
-    flat = jnp.concatenate([jnp.ravel(_to_varying(leaf, frozenset(axes))) for leaf in leaves])
+    flat = jnp.concatenate([jnp.ravel(vary(leaf, frozenset(axes))) for leaf in leaves])
     flat = jax.lax.pmax(flat, axes)
   except NameError as error:
     raise ValueError(
@@ -194,8 +175,28 @@ def all_reduce_amax(fp8_state: Any, axis_name: AxisName = None) -> Any:
         "leave axis_name=None: the amax is already that of the global array.") from None
   sizes = [int(jnp.size(leaf)) for leaf in leaves]
   offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-  out = [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
-  return jax.tree.unflatten(treedef, out)
+  return unflatten([flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)])
+
+
+def _fields_first(fp8_state):
+  """The state's arrays ordered field by field (every meta's amax, then every meta's
+  history, ...), and the function that rebuilds the state from that list.
+
+  So each field of all roles is one contiguous range of the all-reduced vector,
+  which the state update reads packed, without slicing it per role."""
+  metas, treedef = jax.tree.flatten(fp8_state, is_leaf=is_meta)
+  fields = [jax.tree.flatten(meta) for meta in metas]
+  order = sorted((k, m) for m, (leaves, _) in enumerate(fields) for k in range(len(leaves)))
+  ordered = [fields[m][0][k] for k, m in order]
+
+  def unflatten(arrays):
+    per_meta = [list(leaves) for leaves, _ in fields]
+    for (k, m), array in zip(order, arrays):
+      per_meta[m][k] = array
+    return jax.tree.unflatten(treedef, [meta_def.unflatten(leaves) for leaves, (_, meta_def)
+                                        in zip(per_meta, fields)])
+
+  return ordered, unflatten
 
 
 def replicated(fp8_state: Any, mesh: jax.sharding.Mesh) -> Any:

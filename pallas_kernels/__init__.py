@@ -23,11 +23,15 @@
   scale and reciprocal) for many tensor roles in one launch;
   `close_steps_reference` is its plain-jnp definition; `amax_max` the max of
   two amaxes that keeps NaN on every backend.
+* `can_declare_varying_outputs`: whether these kernels can run inside
+  `jax.shard_map` on this JAX (they declare how their outputs vary over its
+  mesh axes; `pallas_kernels.varying`).
 """
 from pallas_kernels.cast_transpose import (CastTransposeBlockSizes, cast_transpose_amax,
                                            cast_transpose_amax_reference)
 from pallas_kernels.cast_transpose import amax as running_amax
 from pallas_kernels.scale_update import amax_max, close_steps, close_steps_reference
+from pallas_kernels.varying import can_declare_varying_outputs
 from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention,
                                             flash_attention_backward, flash_attention_forward,
                                             fp8_forward_reference)
@@ -42,7 +46,8 @@ from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_G
 __all__ = [
     "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU", "BlockScaledMatmulBlockSizes", "block_scaled_matmul",
     "block_scaled_matmul_reference",
-    "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "cast_transpose_amax",
+    "CastTransposeBlockSizes", "SUPPORTED_HEAD_DIMS", "amax_max", "can_declare_varying_outputs",
+    "cast_transpose_amax",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
     "HopperAttentionBlockSizes", "hopper_attention", "hopper_fp8_attention_backward",

@@ -53,6 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.varying import out_struct, vary, varying_axes
+
 FP8_MAX = {
     jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
     jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),      # 57344
@@ -263,6 +265,9 @@ def _call(x, scale, amax_in, descale=None, partners=None, *, cast: _Cast | None,
   scalar_spec = pl.BlockSpec((1,), lambda i, j: (0,))
   tile_spec = pl.BlockSpec(block, lambda i, j: (i, j))
   in_specs = [tile_spec, scalar_spec]
+  # Inside shard_map: the amax is written in place, so its input carries the type
+  # of max(amax_in, max|x|); every other output varies as what it is computed from.
+  amax_in = vary(amax_in, varying_axes(x, amax_in))
   operands = [x, amax_in.reshape(1)]
   out_specs, out_shape = [], []
   n_partners = 0 if partners is None else len(partners)
@@ -276,14 +281,16 @@ def _call(x, scale, amax_in, descale=None, partners=None, *, cast: _Cast | None,
     in_specs.insert(1, scalar_spec)
     operands.insert(1, scale.reshape(1))
     out_specs.append(tile_spec)
-    out_shape.append(jax.ShapeDtypeStruct((rows, cols), cast.dtype))
+    cast_axes = varying_axes(x, scale)
+    out_shape.append(out_struct((rows, cols), cast.dtype, cast_axes))
     if cast.transpose:
       out_specs.append(pl.BlockSpec(block[::-1], lambda i, j: (j, i)))
-      out_shape.append(jax.ShapeDtypeStruct((cols, rows), cast.dtype))
+      out_shape.append(out_struct((cols, rows), cast.dtype, cast_axes))
   out_specs += [rank0_spec] * n_partners
-  out_shape += [jax.ShapeDtypeStruct((), jnp.float32)] * n_partners
+  out_shape += [out_struct((), jnp.float32, varying_axes(descale, partner))
+                for partner in partners or ()]
   out_specs.append(scalar_spec)
-  out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
+  out_shape.append(out_struct((1,), jnp.float32, varying_axes(amax_in)))
   outs = pl.pallas_call(
       functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners),
       grid=tiling.grid,

@@ -42,12 +42,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.varying import out_struct, varying_axes
+
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 ROLES_PER_CALL = 32
 
 
 def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
-                amax_compute_algo: str, other_amaxes=None, interpret: bool = False):
+                amax_compute_algo: str, other_amaxes=None, packed: bool = False,
+                interpret: bool = False):
   """Closes one delayed-scaling step for every role, in ceil(roles / 32) launches.
 
   Args:
@@ -59,6 +62,13 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
     numerators: list of Python floats, `fmt_max / 2**margin` per role.
     history_len: L.
     amax_compute_algo: "max" or "most_recent".
+    packed: give each launch its roles' amaxes, other amaxes, histories and
+      scales concatenated in one vector instead of one operand per role and
+      kind. The same results. Where those arrays are slices of one vector
+      already (the state after one all-reduce, `fp8jax.all_reduce_amax`), XLA
+      makes the concatenation one small kernel, where the slices would be a
+      kernel each. Inside `shard_map` only arrays that vary alike are packed
+      (each output must vary as what it is computed from).
     interpret: run the Pallas interpreter (CPU).
 
   Returns:
@@ -69,10 +79,16 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
   outputs = ([], [], [], [])
   for start in range(0, len(amaxes), ROLES_PER_CALL):
     part = slice(start, start + ROLES_PER_CALL)
-    others = tuple(other_amaxes[part]) if other_amaxes is not None else ()
-    results = _close_call(tuple(amaxes[part]), others, tuple(histories[part]),
-                          tuple(scales[part]), tuple(float(v) for v in numerators[part]),
-                          history_len, amax_compute_algo, interpret)
+    arrays = [tuple(amaxes[part]), tuple(other_amaxes[part]) if other_amaxes is not None else (),
+              tuple(histories[part]), tuple(scales[part])]
+    rows = tuple(int(a.shape[0]) for a in arrays[0])
+    flat = [a for kind in arrays for a in kind]
+    pack = packed and len({varying_axes(a) for a in flat}) == 1
+    if pack:  # one vector of amaxes, other amaxes, histories and scales
+      vector = jnp.concatenate(flat)
+      arrays = [(vector,) if kind else () for kind in arrays]
+    results = _close_call(*arrays, tuple(float(v) for v in numerators[part]), rows, history_len,
+                          amax_compute_algo, pack, interpret)
     for collected, produced in zip(outputs, results):
       collected.extend(produced)
   return outputs
@@ -152,15 +168,19 @@ def _divide(numerator, denominator, interpret):
 
 
 def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_scale_inv_ref,
-                out_history_ref, out_amax_ref, *, rows, numerator, history_len, algo, interpret):
+                out_history_ref, out_amax_ref, *, rows, starts, numerator, history_len, algo,
+                interpret):
+  """One role's update. Its amax, other amax, history and scale start at the element
+  offsets `starts` of their refs (all 0 unless packed into one ref)."""
+  amax_at, other_at, history_at, scale_at = starts
   rows_p = _next_power_of_two(rows)
   cols_p = _next_power_of_two(history_len)
   row = jax.lax.iota(jnp.int32, rows_p)
   row_mask = row < rows
-  amax = plgpu.load(amax_ref.at[row], mask=row_mask, other=0.0)
+  amax = plgpu.load(amax_ref.at[amax_at + row], mask=row_mask, other=0.0)
   if other_ref is not None:
-    amax = amax_max(amax, plgpu.load(other_ref.at[row], mask=row_mask, other=0.0))
-  scale = plgpu.load(scale_ref.at[row], mask=row_mask, other=1.0)
+    amax = amax_max(amax, plgpu.load(other_ref.at[other_at + row], mask=row_mask, other=0.0))
+  scale = plgpu.load(scale_ref.at[scale_at + row], mask=row_mask, other=1.0)
   finite = jnp.abs(amax) < jnp.inf
   recorded = jnp.where(finite, amax, 0.0)
 
@@ -168,7 +188,8 @@ def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_
   row2 = jax.lax.broadcasted_iota(jnp.int32, (rows_p, cols_p), 0)
   col2 = jax.lax.broadcasted_iota(jnp.int32, (rows_p, cols_p), 1)
   kept_mask = (row2 < rows) & (col2 < history_len - 1)
-  kept = plgpu.load(history_ref.at[row2 * history_len + col2], mask=kept_mask, other=0.0)
+  kept = plgpu.load(history_ref.at[history_at + row2 * history_len + col2], mask=kept_mask,
+                    other=0.0)
   plgpu.store(out_history_ref.at[row2 * history_len + col2 + 1], kept, mask=kept_mask)
   plgpu.store(out_history_ref.at[row * history_len], recorded, mask=row_mask)
 
@@ -187,33 +208,68 @@ def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_
   plgpu.store(out_amax_ref.at[row], jnp.zeros_like(amax), mask=row_mask)
 
 
-def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, has_other):
-  roles = len(row_counts)
-  groups = [refs[k * roles:(k + 1) * roles] for k in range(len(refs) // roles)]
-  if has_other:
-    amax_refs, other_refs, history_refs, scale_refs, *outs = groups
-  else:
-    (amax_refs, history_refs, scale_refs, *outs), other_refs = groups, [None] * roles
-  out_scale, out_scale_inv, out_history, out_amax = outs
+def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, has_other,
+                  packed):
+  """refs: the inputs, then the four outputs (one ref per role each).
+
+  The inputs are one ref per role for amaxes, other amaxes (if any), histories
+  and scales in that order, or (`packed`) one ref holding all of them in that
+  order, concatenated.
+  """
+  roles, total = len(row_counts), sum(row_counts)
+  n_inputs = 1 if packed else roles * (4 if has_other else 3)
+  inputs, outs = refs[:n_inputs], refs[n_inputs:]
+  out_scale, out_scale_inv, out_history, out_amax = (
+      outs[k * roles:(k + 1) * roles] for k in range(4))
+  other_base = total if has_other else None
+  history_base = total * (2 if has_other else 1)
+  scale_base = history_base + total * history_len
+  row = 0
   for i in range(roles):
-    _close_role(amax_refs[i], other_refs[i], history_refs[i], scale_refs[i], out_scale[i],
-                out_scale_inv[i], out_history[i], out_amax[i], rows=row_counts[i],
+    if packed:
+      ref = inputs[0]
+      amax_ref, other_ref, history_ref, scale_ref = ref, ref if has_other else None, ref, ref
+      starts = (row, (other_base or 0) + row, history_base + row * history_len,
+                scale_base + row)
+    else:
+      per_kind = [inputs[k * roles:(k + 1) * roles] for k in range(4 if has_other else 3)]
+      amax_refs, other_refs, history_refs, scale_refs = (
+          per_kind if has_other else (per_kind[0], [None] * roles, *per_kind[1:]))
+      amax_ref, other_ref, history_ref, scale_ref = (
+          amax_refs[i], other_refs[i], history_refs[i], scale_refs[i])
+      starts = (0, 0, 0, 0)
+    _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale[i], out_scale_inv[i],
+                out_history[i], out_amax[i], rows=row_counts[i], starts=starts,
                 numerator=numerators[i], history_len=history_len, algo=algo,
                 interpret=interpret)
+    row += row_counts[i]
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
-def _close_call(amaxes, others, histories, scales, numerators, history_len, algo, interpret):
-  row_counts = tuple(int(a.shape[0]) for a in amaxes)
-  vector = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in amaxes]
-  out_shape = (*vector, *vector,
-               *[jax.ShapeDtypeStruct(h.shape, jnp.float32) for h in histories], *vector)
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9))
+def _close_call(amaxes, others, histories, scales, numerators, row_counts, history_len, algo,
+                packed, interpret):
+  """One launch. Each input is a tuple with one array per role; or (`packed`) each is
+  a 1-tuple of the same vector holding all of them (`_close_kernel`)."""
+  roles = len(row_counts)
+  if packed:  # every role reads the one vector
+    amaxes, histories, scales = ((kind[0],) * roles for kind in (amaxes, histories, scales))
+    others = (others[0],) * roles if others else ()
+  # Inside shard_map each output varies as the inputs it is computed from (the
+  # amax output is zeros like the amax).
+  recorded = [varying_axes(a, o) for a, o in zip(amaxes, others or [None] * roles)]
+  rolled = [axes | varying_axes(h) for axes, h in zip(recorded, histories)]
+  scaled = [axes | varying_axes(s) for axes, s in zip(rolled, scales)]
+  vector = lambda sizes, kinds: [out_struct((n,), jnp.float32, axes)
+                                 for n, axes in zip(sizes, kinds)]
+  out_shape = (*vector(row_counts, scaled), *vector(row_counts, scaled),
+               *vector([rows * history_len for rows in row_counts], rolled),
+               *vector(row_counts, [varying_axes(a) for a in amaxes]))
+  operands = (amaxes[0],) if packed else (*amaxes, *others, *histories, *scales)
   kernel = functools.partial(_close_kernel, row_counts=row_counts, numerators=numerators,
                              history_len=history_len, algo=algo, interpret=interpret,
-                             has_other=bool(others))
+                             has_other=bool(others), packed=packed)
   flat = pl.pallas_call(
       kernel, out_shape=out_shape, interpret=interpret, name="fp8_scale_update",
       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-  )(*amaxes, *others, *histories, *scales)
-  roles = len(amaxes)
+  )(*operands)
   return tuple(list(flat[k * roles:(k + 1) * roles]) for k in range(4))

@@ -11,7 +11,10 @@ arguments, and reads the per-device optimized HLO with `fp8jax.lowering.cost`
   scalars, combined by XLA into one per step);
 * FSDP (weights split over "data" too): the weight is all-gathered once, in
   FP8 (half the bytes of the bf16 step's gather), and transposed after it;
-* data x model (tensor parallel): no GEMM on gathered activations.
+* data x model (tensor parallel): no GEMM on gathered activations;
+* `jax.shard_map` (per-device code, `fp8jax.value_and_grad` inside): the same
+  kernels on each device's arrays, the FP8 state reduced by one pmax per step
+  and updated by one kernel.
 
 Speedups are per device and compare the kernels' time (`compute_time_s`); the
 collectives' NVLink time is held separately: FP8 must not send more bytes than
@@ -156,6 +159,102 @@ def _hlo(recipe, mesh, n):
   step = fp8jax.value_and_grad(loss)
   return deviceless.compile_for_h100(
       step, kernel, meta, x, compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+
+
+def _shard_map_dense_steps(n, recipe, mesh):
+  """The data-parallel `fp8_dense` layer written per device, as README's shard_map
+  recipe has it: `fp8jax.value_and_grad` inside `jax.shard_map` over "data", x and
+  the kernel differentiated (so fprop, dgrad and wgrad GEMMs all run), the loss a
+  global sum whose output gradient is g; and the same step in bf16."""
+  x = _spec(mesh, (DEVICES * n, n), P("data", None))
+  kernel = _spec(mesh, (n, n), P())
+  g = _spec(mesh, (DEVICES * n, n), P("data", None))
+  meta = _replicated_state(mesh, jax.eval_shape(lambda: fp8jax.init_dot_meta(recipe)))
+
+  def fp8_loss(params, meta, g):
+    y, meta = fp8jax.fp8_dense(*params, None, meta)
+    return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32)), "data"), meta
+
+  def bf16_loss(params, g):
+    x, kernel = params
+    return jax.lax.psum(jnp.sum((x @ kernel).astype(jnp.float32) * g.astype(jnp.float32)),
+                        "data")
+
+  params_spec = (P("data", None), P())
+  fp8_step = jax.shard_map(fp8jax.value_and_grad(fp8_loss), mesh=mesh,
+                           in_specs=(params_spec, P(), P("data", None)),
+                           out_specs=(P(), params_spec, P()))
+  bf16_step = jax.shard_map(jax.value_and_grad(bf16_loss), mesh=mesh,
+                            in_specs=(params_spec, P("data", None)),
+                            out_specs=(P(), params_spec))
+  fp8 = cost(fp8_step, (x, kernel), meta, g, target="deviceless", label="fp8")
+  bf16 = cost(bf16_step, (x, kernel), g, target="deviceless", label="bf16")
+  return fp8, bf16
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_shard_map_runs_the_fused_kernels_on_each_devices_arrays(data_mesh, recipe):
+  n = 1024  # rows per device
+  fp8, bf16 = _shard_map_dense_steps(n, recipe, data_mesh)
+  assert not _collectives(fp8, "all-gather"), fp8.table()
+  gemms = [k for k in fp8.kernels if k.is_gemm]
+  assert len(gemms) == 3 and all(k.gemm_dtype.startswith("f8") for k in gemms), fp8.table()
+  assert all(k.flops == 2 * n ** 3 for k in gemms), fp8.table()
+  # One Pallas cast kernel per tensor (x, kernel, g: n x n each on every device),
+  # current scaling's amax pass before each, and one kernel for the state update.
+  casts = [k for k in fp8.kernels if "cast_transpose_amax" in k.op_name and
+           k.category == "pallas" and k.bytes_in >= n * n * 2]
+  amax_passes = [k for k in fp8.kernels if k.category == "pallas" and "/amax/" in k.op_name]
+  updates = [k for k in fp8.kernels if "fp8_scale_update" in k.op_name]
+  assert len(casts) == 3 and len(updates) == 1, fp8.table()
+  assert len(amax_passes) == (3 if recipe == CURRENT else 0), fp8.table()
+  # Beyond bf16's collectives: the FP8 state's pmax at the step's end (its
+  # histories ride along: shard_map types the whole state as per device), and
+  # for current scaling each tensor's amax before its cast.
+  state_bytes = 2 * sum(leaf.size * 4 for leaf in jax.tree.leaves(
+      jax.eval_shape(lambda: fp8jax.init_dot_meta(recipe))))  # forward and backward
+  assert _link_bytes(fp8) <= _link_bytes(bf16) + 2 * state_bytes + SCALAR_BYTES, fp8.table()
+
+
+def test_shard_map_fp8_layers_add_at_most_6_kernels_each(data_mesh):
+  """As on one GPU: 3 cast kernels and their 3 running-amax buffers per layer; the
+  state's one pmax, its packing and the update are per step."""
+
+  def steps(layers):
+    params = [_spec(data_mesh, (512, 512), P())] * layers
+    x = _spec(data_mesh, (DEVICES * 1024, 512), P("data", None))
+    state = _replicated_state(data_mesh, jax.eval_shape(
+        lambda: [fp8jax.init_dot_meta(DELAYED) for _ in range(layers)]))
+
+    def fp8_loss(params, state, x):
+      loss, state = fp8_stack_loss(params, state, x)
+      return jax.lax.psum(loss, "data") / DEVICES, state
+
+    def bf16_loss(params, x):
+      return jax.lax.psum(bf16_stack_loss(params, x), "data") / DEVICES
+
+    fp8_step = jax.shard_map(fp8jax.value_and_grad(fp8_loss), mesh=data_mesh,
+                             in_specs=(P(), P(), P("data", None)), out_specs=(P(), P(), P()))
+    bf16_step = jax.shard_map(jax.value_and_grad(bf16_loss), mesh=data_mesh,
+                              in_specs=(P(), P("data", None)), out_specs=(P(), P()))
+    return (cost(fp8_step, params, state, x, target="deviceless"),
+            cost(bf16_step, params, x, target="deviceless"))
+
+  extra = {}
+  for layers in (1, 4):
+    fp8, bf16 = steps(layers)
+    extra[layers] = fp8.non_gemm_launches - bf16.non_gemm_launches
+    assert sum("fp8_scale_update" in k.op_name for k in fp8.kernels) == 1, fp8.table()
+    # One pmax of the FP8 state per step, whatever the depth.
+    assert len(_collectives(fp8, "all-reduce")) - len(_collectives(bf16, "all-reduce")) == 1, \
+        (fp8.table(), bf16.table())
+  assert (extra[4] - extra[1]) / 3 <= 6, extra
+
+
+@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 0.95)])
+def test_shard_map_delayed_scaling_is_predicted_faster_per_device(data_mesh, n, at_least):
+  fp8, bf16 = _shard_map_dense_steps(n, DELAYED, data_mesh)
+  assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())
 
 
 def test_data_by_model_mesh_runs_no_gemm_on_gathered_activations():

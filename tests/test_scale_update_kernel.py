@@ -45,9 +45,10 @@ def _assert_bitwise(got, want):
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["per_role", "packed"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("history_len", [1, 5, 16])
-def test_kernel_is_bitwise_equal_to_reference(algo, history_len):
+def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
   rng = np.random.default_rng(history_len * 10 + (algo == "max"))
   # Unstacked roles (1 row) and stacked ones (3 and 9 rows: not powers of two).
   amaxes, histories, scales = _roles(rng, [1, 3, 1, 9], history_len)
@@ -57,16 +58,19 @@ def test_kernel_is_bitwise_equal_to_reference(algo, history_len):
   for other_amaxes in (None, others):
     kwargs = dict(numerators=numerators, history_len=history_len, amax_compute_algo=algo,
                   other_amaxes=other_amaxes)
-    got = close_steps(amaxes, histories, scales, interpret=True, **kwargs)
+    got = close_steps(amaxes, histories, scales, packed=packed, interpret=True, **kwargs)
     want = close_steps_reference(amaxes, histories, scales, **kwargs)
     _assert_bitwise(got, want)
 
 
-def test_more_roles_than_one_launch_takes_are_all_updated():
+@pytest.mark.parametrize("packed", [False, True], ids=["per_role", "packed"])
+def test_more_roles_than_one_launch_takes_are_all_updated(packed):
   rng = np.random.default_rng(7)
-  amaxes, histories, scales = _roles(rng, [1] * 40, 4)
+  # 40 roles of 1 to 3 rows: the second launch's packed vectors start mid-state.
+  amaxes, histories, scales = _roles(rng, [1 + i % 3 for i in range(40)], 4)
   kwargs = dict(numerators=[448.0] * 40, history_len=4, amax_compute_algo="max")
-  _assert_bitwise(close_steps(amaxes, histories, scales, interpret=True, **kwargs),
+  _assert_bitwise(close_steps(amaxes, histories, scales, packed=packed, interpret=True,
+                              **kwargs),
                   close_steps_reference(amaxes, histories, scales, **kwargs))
 
 
