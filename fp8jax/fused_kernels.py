@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels import varying
 from fp8jax.formats import Fp8Format
 from fp8jax.amax import amax, amax_max
 from fp8jax.explicit_mesh import is_explicitly_sharded
@@ -72,9 +73,10 @@ def kernels_allowed(*trees) -> bool:
 
   Yes in every program partitioned by XLA (one device or a mesh, plain `jit`):
   each kernel runs on its device's shard (`fp8jax.kernel_partitioning`). Yes
-  inside `shard_map` (per-device code), where this JAX lets a kernel declare how
-  its outputs vary over the mesh. No for arrays sharded over explicit mesh
-  axes, where the jnp form runs.
+  inside a `shard_map` over every mesh axis of more than one device (per-device
+  code), where this JAX lets a kernel declare how its outputs vary over the
+  mesh. No for arrays sharded over explicit mesh axes, nor inside a `shard_map`
+  that leaves an axis automatic, where the jnp form runs.
   """
   forced = _FORCED.get()
   explicit = is_explicitly_sharded(*trees)
@@ -93,14 +95,16 @@ def kernels_allowed(*trees) -> bool:
           "(jax.sharding.AxisType.Explicit); the jnp form runs instead (same numbers, more "
           "kernels). Make the mesh with AxisType.Auto axes to keep the kernels.", stacklevel=3)
     return False
-  return not inside_shard_map() or pallas_kernels.can_declare_varying_outputs()
+  if not inside_shard_map():
+    return True
+  # Per-device code: where an automatic axis is left (shard_map over some axes
+  # only), XLA would gather what it splits for the kernel; the jnp form runs.
+  return pallas_kernels.can_declare_varying_outputs() and varying.fully_manual()
 
 
 def inside_shard_map() -> bool:
   """Whether the trace is per-device code (`jax.shard_map`: the mesh has manual axes)."""
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  mesh = get_mesh() if get_mesh is not None else None
-  return bool(getattr(mesh, "manual_axes", ()))
+  return bool(varying.manual_axes())
 
 
 def choose(args, kernel, reference):

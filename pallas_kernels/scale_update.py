@@ -216,33 +216,35 @@ def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, h
   and scales in that order, or (`packed`) one ref holding all of them in that
   order, concatenated.
   """
-  roles, total = len(row_counts), sum(row_counts)
+  roles = len(row_counts)
   n_inputs = 1 if packed else roles * (4 if has_other else 3)
   inputs, outs = refs[:n_inputs], refs[n_inputs:]
   out_scale, out_scale_inv, out_history, out_amax = (
       outs[k * roles:(k + 1) * roles] for k in range(4))
-  other_base = total if has_other else None
-  history_base = total * (2 if has_other else 1)
-  scale_base = history_base + total * history_len
-  row = 0
   for i in range(roles):
-    if packed:
-      ref = inputs[0]
-      amax_ref, other_ref, history_ref, scale_ref = ref, ref if has_other else None, ref, ref
-      starts = (row, (other_base or 0) + row, history_base + row * history_len,
-                scale_base + row)
-    else:
-      per_kind = [inputs[k * roles:(k + 1) * roles] for k in range(4 if has_other else 3)]
-      amax_refs, other_refs, history_refs, scale_refs = (
-          per_kind if has_other else (per_kind[0], [None] * roles, *per_kind[1:]))
-      amax_ref, other_ref, history_ref, scale_ref = (
-          amax_refs[i], other_refs[i], history_refs[i], scale_refs[i])
-      starts = (0, 0, 0, 0)
-    _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale[i], out_scale_inv[i],
-                out_history[i], out_amax[i], rows=row_counts[i], starts=starts,
-                numerator=numerators[i], history_len=history_len, algo=algo,
-                interpret=interpret)
-    row += row_counts[i]
+    role_inputs, starts = (_packed_role(inputs[0], i, row_counts, history_len, has_other)
+                           if packed else _own_role(inputs, i, roles, has_other))
+    _close_role(*role_inputs, out_scale[i], out_scale_inv[i], out_history[i], out_amax[i],
+                rows=row_counts[i], starts=starts, numerator=numerators[i],
+                history_len=history_len, algo=algo, interpret=interpret)
+
+
+def _own_role(inputs, i, roles, has_other):
+  """Role i's (amax, other amax or None, history, scale) refs, one per kind, from 0."""
+  kinds = [inputs[k * roles:(k + 1) * roles] for k in range(4 if has_other else 3)]
+  amax, other, history, scale = (
+      (k[i] for k in kinds) if has_other else (kinds[0][i], None, kinds[1][i], kinds[2][i]))
+  return (amax, other, history, scale), (0, 0, 0, 0)
+
+
+def _packed_role(ref, i, row_counts, history_len, has_other):
+  """Role i's refs and element offsets in the one packed vector [amaxes | other amaxes |
+  histories | scales] of all roles."""
+  total, row = sum(row_counts), sum(row_counts[:i])
+  histories_at = total * (2 if has_other else 1)
+  scales_at = histories_at + total * history_len
+  starts = (row, total + row, histories_at + row * history_len, scales_at + row)
+  return (ref, ref if has_other else None, ref, ref), starts
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9))
@@ -251,11 +253,16 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
   """One launch. Each input is a tuple with one array per role; or (`packed`) each is
   a 1-tuple of the same vector holding all of them (`_close_kernel`)."""
   roles = len(row_counts)
-  if packed:  # every role reads the one vector
+  operands = (*amaxes, *others, *histories, *scales)
+  if packed:
+    # Each kind is the one packed vector, which every role reads: repeat it per role
+    # for the declarations below.
     amaxes, histories, scales = ((kind[0],) * roles for kind in (amaxes, histories, scales))
     others = (others[0],) * roles if others else ()
-  # Inside shard_map each output varies as the inputs it is computed from (the
-  # amax output is zeros like the amax).
+    operands = operands[:1]
+  # Inside shard_map each output varies as the inputs it is computed from: the
+  # step's amax (and the amax output, zeros like it) from the role's amaxes, the
+  # rolled history from them and the history, the scales from all four.
   recorded = [varying_axes(a, o) for a, o in zip(amaxes, others or [None] * roles)]
   rolled = [axes | varying_axes(h) for axes, h in zip(recorded, histories)]
   scaled = [axes | varying_axes(s) for axes, s in zip(rolled, scales)]
@@ -263,8 +270,7 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
                                  for n, axes in zip(sizes, kinds)]
   out_shape = (*vector(row_counts, scaled), *vector(row_counts, scaled),
                *vector([rows * history_len for rows in row_counts], rolled),
-               *vector(row_counts, [varying_axes(a) for a in amaxes]))
-  operands = (amaxes[0],) if packed else (*amaxes, *others, *histories, *scales)
+               *vector(row_counts, recorded))
   kernel = functools.partial(_close_kernel, row_counts=row_counts, numerators=numerators,
                              history_len=history_len, algo=algo, interpret=interpret,
                              has_other=bool(others), packed=packed)

@@ -21,9 +21,21 @@ import jax
 
 def manual_axes() -> frozenset:
   """The manual mesh axes of the trace: those of the enclosing `shard_map`; empty outside."""
+  return frozenset(getattr(_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def fully_manual() -> bool:
+  """Whether every mesh axis of more than one device is manual here: code inside a
+  `shard_map` over all of them, where a kernel runs on each device's arrays as they
+  are. (Where an axis stays automatic, XLA would gather what it splits for a kernel.)"""
+  manual = manual_axes()
+  sizes = dict(getattr(_abstract_mesh(), "shape", {}) or {})
+  return bool(manual) and all(name in manual for name, size in sizes.items() if size > 1)
+
+
+def _abstract_mesh():
   get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  mesh = get_mesh() if get_mesh is not None else None
-  return frozenset(getattr(mesh, "manual_axes", ()) or ())
+  return get_mesh() if get_mesh is not None else None
 
 
 def can_declare_varying_outputs() -> bool:

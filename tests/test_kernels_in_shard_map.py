@@ -14,17 +14,21 @@ equal max|x| of the whole tensor in float64 numpy. (On CPU fp8jax itself lowers 
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from fp8jax import fused_kernels
 from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
 from pallas_kernels.varying import varying_axes
 
-N_MESH_TESTS = 5
+N_MESH_TESTS = 7
 
 
 def test_mesh_tests_pass_on_8_devices():
@@ -67,24 +71,38 @@ def _cast_both(x, s, with_products):
   return got, want
 
 
+def _trace_in_shard_map(per_device, *args, in_specs=P()):
+  """Traces `per_device` inside a type-checked shard_map over "data" (nothing runs)."""
+  jax.jit(jax.shard_map(per_device, mesh=_mesh(), in_specs=in_specs,
+                        out_specs=in_specs)).trace(*args)
+
+
+def _varying_if(on: bool, x):
+  return jax.lax.pcast(x, ("data",), to="varying") if on else x
+
+
 @multidevice
-@pytest.mark.parametrize("with_products", [False, True], ids=["cast", "cast_and_descales"])
-def test_cast_transpose_amax_outputs_vary_as_its_definitions_do(with_products):
-  """Types, from the trace: x split over "data", every scalar replicated."""
+def test_cast_kernel_outputs_vary_as_its_definitions_do_for_every_input_layout():
+  """Types, from the trace: each of x, scale, running amax, descale and partner
+  replicated or split, 32 layouts; a narrower declaration than the jnp
+  definition's (a per-device value typed as replicated) fails here."""
   x, scalars = _cast_inputs(11)
-  types = {}
+  mismatches, layouts = [], list(itertools.product([False, True], repeat=5))
 
   def per_device(x):
-    got, want = _cast_both(x, scalars, with_products)
-    types["got"], types["want"] = (jax.tree.map(varying_axes, out) for out in (got, want))
+    for layout in layouts:
+      x_l, *rest = (_varying_if(on, a) for on, a in zip(layout, (x, *scalars.values())))
+      got, want = _cast_both(x_l, dict(zip(scalars, rest)), with_products=True)
+      got_types, want_types = (jax.tree.map(varying_axes, out) for out in (got, want))
+      if got_types != want_types:
+        mismatches.append((layout, got_types, want_types))
+    amax_of_split_x = pallas_kernels.running_amax(_varying_if(True, x), scalars["running"],
+                                                  interpret=True)
+    mismatches.extend([] if varying_axes(amax_of_split_x) == {"data"} else ["running_amax"])
     return x
 
-  jax.jit(jax.shard_map(per_device, mesh=_mesh(), in_specs=P("data"),
-                        out_specs=P("data"))).trace(x)
-  assert types["got"] == types["want"], types
-  assert types["got"][:3] == (frozenset({"data"}),) * 3, types  # each device's own amax
-  if with_products:
-    assert types["got"][3] == (frozenset(),), types  # products of replicated scalars
+  _trace_in_shard_map(per_device, x)
+  assert not mismatches, mismatches
 
 
 @multidevice
@@ -112,47 +130,97 @@ def test_cast_transpose_amax_in_shard_map_gives_its_definitions_bits(with_produc
   assert float(whole_amax) == expected
 
 
+def _pallas_operand_counts(jaxpr) -> list[int]:
+  """How many operands each pallas_call in `jaxpr` (and its sub-jaxprs) takes."""
+  counts = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      counts.append(len(eqn.invars))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      counts += _pallas_operand_counts(sub)
+  return counts
+
+
 @multidevice
-def test_state_update_packed_in_shard_map_has_its_definitions_types_and_bits():
+@pytest.mark.parametrize("packed", [False, True], ids=["per_role", "packed"])
+def test_state_update_outputs_vary_as_its_definitions_do_for_every_input_layout(packed):
+  """Types, from the trace: amaxes, other amaxes, histories and scales each
+  replicated or split (16 layouts, with and without other amaxes). Packing is
+  taken only where all of them vary alike, as one operand."""
+  rows, history_len = [1, 2], 3
+  kwargs = dict(numerators=[448.0, 57344.0], history_len=history_len, amax_compute_algo="max")
+  mismatches, operand_counts = [], {}
+
+  def per_device(x):
+    for layout in itertools.product([False, True], repeat=4):
+      for with_other in (False, True):
+        kinds = [[_varying_if(on, jnp.full((n * size,), 0.5 + i, jnp.float32))
+                  for i, n in enumerate(rows)]
+                 for on, size in zip(layout, (1, 1, history_len, 1))]
+        amaxes, others, histories, scales = kinds
+        others = others if with_other else None
+        call = lambda: pallas_kernels.close_steps(amaxes, histories, scales, other_amaxes=others,
+                                                  packed=packed, interpret=True, **kwargs)
+        got = call()
+        want = pallas_kernels.close_steps_reference(amaxes, histories, scales,
+                                                    other_amaxes=others, **kwargs)
+        got_types, want_types = (jax.tree.map(varying_axes, out) for out in (got, want))
+        if got_types != want_types:
+          mismatches.append((layout, with_other, got_types, want_types))
+        operand_counts[layout, with_other] = _pallas_operand_counts(jax.make_jaxpr(call)().jaxpr)
+    return x
+
+  _trace_in_shard_map(per_device, jnp.ones(N_DEVICES, jnp.float32), in_specs=P("data"))
+  assert not mismatches, mismatches
+  for (layout, with_other), counts in operand_counts.items():
+    per_role = len(rows) * (4 if with_other else 3)
+    used = (0, 1, 2, 3) if with_other else (0, 2, 3)  # amaxes, others, histories, scales
+    alike = len({layout[k] for k in used}) == 1
+    assert counts == [1 if packed and alike else per_role], (layout, with_other, counts)
+
+
+@multidevice
+def test_kernels_run_in_shard_map_only_over_every_mesh_axis():
+  """A shard_map that leaves an axis of several devices automatic gets the jnp form:
+  there XLA would gather what that axis splits to feed a kernel."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  seen = {}
+
+  def per_device(name):
+    def record(x):
+      seen[name] = fused_kernels.kernels_allowed(x)
+      return x
+    return record
+
+  x = jnp.ones((8, 8), jnp.bfloat16)
+  jax.shard_map(per_device("all axes"), mesh=mesh, in_specs=P("data", "model"),
+                out_specs=P("data", "model"))(x)
+  jax.shard_map(per_device("data only"), mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                axis_names={"data"})(x)
+  assert seen == {"all axes": True, "data only": False}, seen
+
+
+@multidevice
+def test_state_update_packed_in_shard_map_gives_its_definitions_bits():
   rng = np.random.default_rng(5)
   rows, history_len = [1, 3, 1], 4
-  amaxes = [jnp.asarray(2.0 ** rng.uniform(-10, 10, (N_DEVICES, n)), jnp.float32)
-            for n in rows]
+  amaxes, others = ([jnp.asarray(2.0 ** rng.uniform(-10, 10, (N_DEVICES, n)), jnp.float32)
+                     for n in rows] for _ in range(2))
   histories = [jnp.asarray(2.0 ** rng.uniform(-10, 10, n * history_len), jnp.float32)
                for n in rows]
   scales = [jnp.asarray(2.0 ** rng.uniform(-4, 4, n), jnp.float32) for n in rows]
   kwargs = dict(numerators=[448.0, 57344.0, 448.0], history_len=history_len,
                 amax_compute_algo="max")
-  types = {}
 
-  def both(amaxes, histories, scales):
-    got = pallas_kernels.close_steps(amaxes, histories, scales, packed=True, interpret=True,
-                                     **kwargs)
-    want = pallas_kernels.close_steps_reference(amaxes, histories, scales, **kwargs)
-    return got, want
-
-  def trace_types(amaxes, histories, scales):
-    # Amaxes split over "data", histories and scales replicated (these are not
-    # packed: the update runs per role), or all varying (packed).
-    amaxes = [a[0] for a in amaxes]
-    vary = lambda arrays: [jax.lax.pcast(a, ("data",), to="varying") for a in arrays]
-    for name, args in (("mixed", (amaxes, histories, scales)),
-                       ("alike", (amaxes, vary(histories), vary(scales)))):
-      got, want = both(*args)
-      types[name] = [jax.tree.map(varying_axes, out) for out in (got, want)]
-    return amaxes
-
-  def run(amaxes, histories, scales):  # check_vma=False: see the cast's test above
-    got, want = both([a[0] for a in amaxes], histories, scales)
+  def run(amaxes, others, histories, scales):  # check_vma=False: see the cast's test above
+    amaxes, others = ([a[0] for a in kind] for kind in (amaxes, others))
+    got = pallas_kernels.close_steps(amaxes, histories, scales, other_amaxes=others,
+                                     packed=True, interpret=True, **kwargs)
+    want = pallas_kernels.close_steps_reference(amaxes, histories, scales, other_amaxes=others,
+                                                **kwargs)
     return jax.tree.map(lambda a: a[None], (got, want))
 
-  args = (amaxes, histories, scales)
-  jax.jit(jax.shard_map(trace_types, mesh=_mesh(), in_specs=(P("data"), P(), P()),
-                        out_specs=P("data"))).trace(*args)
-  for got_types, want_types in types.values():
-    assert got_types == want_types, types
-    # Every output is computed from an amax, so every output is device-varying.
-    assert all(axes == frozenset({"data"}) for axes in jax.tree.leaves(got_types)), types
-  got, want = jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=(P("data"), P(), P()),
-                                    out_specs=P("data"), check_vma=False))(*args)
+  got, want = jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=(P("data"), P("data"), P(), P()),
+                                    out_specs=P("data"), check_vma=False))(
+                                        amaxes, others, histories, scales)
   _assert_same(got, want)

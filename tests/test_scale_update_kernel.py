@@ -66,7 +66,7 @@ def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
 @pytest.mark.parametrize("packed", [False, True], ids=["per_role", "packed"])
 def test_more_roles_than_one_launch_takes_are_all_updated(packed):
   rng = np.random.default_rng(7)
-  # 40 roles of 1 to 3 rows: the second launch's packed vectors start mid-state.
+  # 40 roles of 1 to 3 rows: two launches, each packing its own roles.
   amaxes, histories, scales = _roles(rng, [1 + i % 3 for i in range(40)], 4)
   kwargs = dict(numerators=[448.0] * 40, history_len=4, amax_compute_algo="max")
   _assert_bitwise(close_steps(amaxes, histories, scales, packed=packed, interpret=True,
