@@ -75,8 +75,8 @@ def kernels_allowed(*trees) -> bool:
   each kernel runs on its device's shard (`fp8jax.kernel_partitioning`). Yes
   inside a `shard_map` over every mesh axis of more than one device (per-device
   code), where this JAX lets a kernel declare how its outputs vary over the
-  mesh. No for arrays sharded over explicit mesh axes, nor inside a `shard_map`
-  that leaves an axis automatic, where the jnp form runs.
+  mesh. No for arrays sharded over explicit mesh axes, nor (unless forced on)
+  inside a `shard_map` that leaves an axis automatic, where the jnp form runs.
   """
   forced = _FORCED.get()
   explicit = is_explicitly_sharded(*trees)

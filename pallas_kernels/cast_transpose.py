@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.varying import out_struct, vary, varying_axes
+from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
 
 FP8_MAX = {
     jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
@@ -267,6 +267,7 @@ def _call(x, scale, amax_in, descale=None, partners=None, *, cast: _Cast | None,
   in_specs = [tile_spec, scalar_spec]
   # Inside shard_map: the amax is written in place, so its input carries the type
   # of max(amax_in, max|x|); every other output varies as what it is computed from.
+  check_summed(x, scale, amax_in, descale, partners)
   amax_in = vary(amax_in, varying_axes(x, amax_in))
   operands = [x, amax_in.reshape(1)]
   out_specs, out_shape = [], []

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.varying import out_struct, varying_axes
+from pallas_kernels.varying import check_summed, out_struct, varying_axes
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 ROLES_PER_CALL = 32
@@ -254,6 +254,7 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
   a 1-tuple of the same vector holding all of them (`_close_kernel`)."""
   roles = len(row_counts)
   operands = (*amaxes, *others, *histories, *scales)
+  check_summed(operands)
   if packed:
     # Each kind is the one packed vector, which every role reads: repeat it per role
     # for the declarations below.

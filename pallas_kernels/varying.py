@@ -7,8 +7,9 @@ fp8jax's kernels is the one their jnp definitions follow: an output varies
 along every axis along which some input it is computed from varies.
 
 `out_struct` builds an output's `jax.ShapeDtypeStruct` with that declaration
-(plain outside `shard_map`), `varying_axes` reads an input's axes, and
-`vary` marks an input varying along more axes. An input whose buffer a kernel
+(plain outside `shard_map`), `varying_axes` reads an input's axes, `vary`
+marks an input varying along more axes, and `check_summed` refuses partial
+sums (`unreduced` inputs), whose outputs no declaration describes. An input whose buffer a kernel
 writes in place (`input_output_aliases`) gives its type to that output, so it
 must first be marked varying along everything the output is computed from.
 """
@@ -53,6 +54,19 @@ def varying_axes(*arrays) -> frozenset:
       manual = getattr(aval, "manual_axis_type", None)
       axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()))
   return frozenset(axes)
+
+
+def check_summed(*arrays) -> None:
+  """Raises unless every array is a whole value on each device: a kernel cannot take a
+  partial sum still to be reduced over devices (`unreduced` / `reduced` axes)."""
+  for x in jax.tree.leaves(arrays):
+    manual = getattr(jax.typeof(x), "manual_axis_type", None) if isinstance(x, jax.Array) else None
+    pending = set(getattr(manual, "unreduced", ())) | set(getattr(manual, "reduced", ()))
+    if pending:
+      raise ValueError(
+          f"A pallas_kernels kernel got an array {jax.typeof(x)} that is a partial sum over "
+          f"the mesh axes {sorted(pending)} (unreduced): its outputs would differ per device "
+          "while typed alike. Reduce it first (jax.lax.psum over those axes).")
 
 
 def vary(x: jax.Array, axes: frozenset) -> jax.Array:

@@ -28,7 +28,7 @@ from fp8jax import fused_kernels
 from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
 from pallas_kernels.varying import varying_axes
 
-N_MESH_TESTS = 7
+N_MESH_TESTS = 8
 
 
 def test_mesh_tests_pass_on_8_devices():
@@ -197,7 +197,33 @@ def test_kernels_run_in_shard_map_only_over_every_mesh_axis():
                 out_specs=P("data", "model"))(x)
   jax.shard_map(per_device("data only"), mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                 axis_names={"data"})(x)
-  assert seen == {"all axes": True, "data only": False}, seen
+  # An automatic axis of one device splits nothing.
+  single = jax.make_mesh((8, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  jax.shard_map(per_device("data, model of 1"), mesh=single, in_specs=P("data"),
+                out_specs=P("data"), axis_names={"data"})(x)
+  assert seen == {"all axes": True, "data only": False, "data, model of 1": True}, seen
+
+
+@multidevice
+def test_kernels_refuse_a_partial_sum():
+  """An unreduced input (a sum not yet taken over devices) gives per-device outputs no
+  declaration describes: a clear error instead."""
+  x, scalars = _cast_inputs(13)
+
+  def per_device(x):
+    # Each device's own value, typed as a term of a sum over "data" not yet taken.
+    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    partial = jax.lax.pcast(local, ("data",), to="unreduced")
+    with pytest.raises(ValueError, match="partial sum"):
+      pallas_kernels.cast_transpose_amax(x, partial, scalars["running"], interpret=True,
+                                         fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0)
+    with pytest.raises(ValueError, match="partial sum"):
+      pallas_kernels.close_steps([partial.reshape(1)], [jnp.ones(2, jnp.float32)],
+                                 [jnp.ones(1, jnp.float32)], [448.0], history_len=2,
+                                 amax_compute_algo="max", interpret=True)
+    return x
+
+  _trace_in_shard_map(per_device, x, in_specs=P("data"))
 
 
 @multidevice
