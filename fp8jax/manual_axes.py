@@ -13,19 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 
-import jax
-
-
-def manual_axes() -> dict[str, int]:
-  """{axis name: number of devices} of the manual mesh axes the trace runs in; {} outside
-  `shard_map` / `pmap` (or on a JAX without abstract meshes, where nothing can be told)."""
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  mesh = get_mesh() if get_mesh is not None else None
-  names = tuple(getattr(mesh, "manual_axes", ()) or ())
-  if not names:
-    return {}
-  sizes = dict(getattr(mesh, "shape", {}) or {})
-  return {name: int(sizes[name]) for name in names if name in sizes}
+from pallas_kernels.varying import manual_axes  # {name: devices}, {} outside
 
 
 def describe_axes(axes) -> str:

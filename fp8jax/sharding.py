@@ -53,18 +53,9 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.meta import check_fp8_state, is_meta
-from pallas_kernels import varying
-from pallas_kernels.varying import vary
+from pallas_kernels.varying import vary, varying_axes
 
 AxisName = str | Sequence[str] | None
-
-
-def varying_axes(*trees: Any) -> frozenset:
-  """Mesh axes along which any array leaf of `trees` is device-varying (shard_map types).
-
-  Empty outside `shard_map`, and inside `shard_map(..., check_vma=False)`.
-  """
-  return varying.varying_axes(*trees)
 
 
 def vary_like(tree: Any, axes: frozenset) -> Any:
@@ -114,7 +105,7 @@ def global_amax(local_amax: jax.Array, like: jax.Array) -> jax.Array:
   `local_amax` is `like`'s own amax; under `shard_map` it is combined by max over
   the mesh axes along which `like` varies. Outside shard_map it is returned as is.
   """
-  axes = tuple(sorted(varying.varying_axes(like)))
+  axes = tuple(sorted(varying_axes(like)))
   if not axes:
     return local_amax
   return jax.lax.pmax(local_amax, axes)

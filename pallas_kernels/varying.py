@@ -20,9 +20,12 @@ import inspect
 import jax
 
 
-def manual_axes() -> frozenset:
-  """The manual mesh axes of the trace: those of the enclosing `shard_map`; empty outside."""
-  return frozenset(getattr(_abstract_mesh(), "manual_axes", ()) or ())
+def manual_axes() -> dict[str, int]:
+  """{axis name: number of devices} of the manual mesh axes the trace runs in: those of
+  the enclosing `shard_map` / `pmap`; {} outside (or on a JAX without abstract meshes)."""
+  names = tuple(getattr(_abstract_mesh(), "manual_axes", ()) or ())
+  sizes = _mesh_sizes()
+  return {name: int(sizes[name]) for name in names if name in sizes}
 
 
 def fully_manual() -> bool:
@@ -30,13 +33,17 @@ def fully_manual() -> bool:
   `shard_map` over all of them, where a kernel runs on each device's arrays as they
   are. (Where an axis stays automatic, XLA would gather what it splits for a kernel.)"""
   manual = manual_axes()
-  sizes = dict(getattr(_abstract_mesh(), "shape", {}) or {})
-  return bool(manual) and all(name in manual for name, size in sizes.items() if size > 1)
+  return bool(manual) and all(name in manual for name, size in _mesh_sizes().items()
+                              if size > 1)
 
 
 def _abstract_mesh():
   get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
   return get_mesh() if get_mesh is not None else None
+
+
+def _mesh_sizes() -> dict:
+  return dict(getattr(_abstract_mesh(), "shape", {}) or {})
 
 
 def can_declare_varying_outputs() -> bool:
@@ -46,7 +53,8 @@ def can_declare_varying_outputs() -> bool:
 
 
 def varying_axes(*arrays) -> frozenset:
-  """The mesh axes along which any of `arrays` (None skipped) is device-varying."""
+  """The mesh axes along which any array leaf of `arrays` (pytrees; None skipped) is
+  device-varying. Empty outside `shard_map`, and inside `shard_map(..., check_vma=False)`."""
   axes = set()
   for x in jax.tree.leaves(arrays):
     if isinstance(x, jax.Array):  # tracers are jax.Arrays too
