@@ -336,8 +336,23 @@ def test_the_report_lists_every_dot_of_a_two_layer_transformer_with_its_reason()
 
 
 def test_init_warns_when_no_dot_is_converted():
-  with pytest.warns(UserWarning, match="runs none of the model's 13 dots in FP8"):
+  with pytest.warns(UserWarning, match="runs none of the model's 13 candidate dots in FP8") as seen:
     Fp8Model(LanguageModel()).init(jax.random.key(1), _ids(0))
+  message = str(seen[0].message)
+  assert "or pass a layer_filter" in message
+  assert "go by rules only (a layer_filter does not decide them)" in message
+
+
+def test_no_dot_converted_with_a_layer_filter_says_the_filter_chose_none():
+  """A passed filter that chose nothing cannot be fixed by passing a filter: say so, and
+  that the dots modules call themselves never go by a filter."""
+  model = Fp8Model(LanguageModel(), layer_filter=lambda layer: False)
+  with pytest.warns(UserWarning, match="runs none of the model's 13 candidate dots") as seen:
+    model.init(jax.random.key(1), _ids(0))
+  message = str(seen[0].message)
+  assert "the layer_filter you passed chose none of the" in message
+  assert "or pass a layer_filter" not in message
+  assert "go by rules only" in message
 
 
 def test_rules_are_checked_with_errors_that_name_the_rule():

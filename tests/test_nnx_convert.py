@@ -240,6 +240,7 @@ def test_rules_give_two_recipes_to_two_parts_of_the_model_as_for_linen():
 
 
 def test_converting_no_layer_at_all_is_said():
-  with pytest.warns(UserWarning, match=r"converted none of the model.s 6 candidates.*"
+  with pytest.warns(UserWarning, match=r"convert_to_fp8 runs none of the model.s 6 candidate "
+                                       r"dots.*"
                                        r"default_layer_filter: not chosen \(K=64"):
     assert convert_to_fp8(Net(nnx.Rngs(0))) == ()

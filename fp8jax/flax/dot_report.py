@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+# The kinds of dots a module calls itself (the others are dense layers).
+OP_KINDS = ("dot_general", "einsum", "matmul", "dot")
+
 
 @dataclasses.dataclass(frozen=True)
 class DotRecord:
@@ -73,6 +76,31 @@ class Fp8Report:
     rows = [dict(dataclasses.asdict(row), path=[str(p) for p in row.path]) for row in self.rows]
     return json.dumps({"dots": rows, "fp8": len(self.converted), "total": len(self.rows)},
                       indent=1)
+
+
+def nothing_converted_message(report: Fp8Report, who: str, filter_passed: bool) -> str:
+  """The warning for a model none of whose candidates runs in FP8, with the fix that applies.
+
+  A `layer_filter` decides only the dense layers no rule names; the dots a module
+  calls itself go by rules (and the cost model's default filter) only.
+  """
+  first = report.rows[0]
+  layers = [row for row in report.rows if row.kind not in OP_KINDS]
+  calls = [row for row in report.rows if row.kind in OP_KINDS]
+  fixes = []
+  if layers and filter_passed:
+    fixes.append(f"the layer_filter you passed chose none of the {len(layers)} dense layers: "
+                 "check it, or name layers with rules=(fp8jax.flax.Fp8Rule(path=...),)")
+  elif layers:
+    fixes.append(f"name the {len(layers)} dense layers with "
+                 "rules=(fp8jax.flax.Fp8Rule(path=...),) or pass a layer_filter")
+  if calls:
+    fixes.append(f"the {len(calls)} dots that modules call themselves go by rules only (a "
+                 "layer_filter does not decide them): name them with "
+                 "rules=(fp8jax.flax.Fp8Rule(path=..., op=...),)")
+  return (f"fp8jax: {who} runs none of the model's {len(report.rows)} candidate dots in FP8 "
+          f"(the first: {first.path} {first.kind}, {first.reason}). To fix: "
+          + "; ".join(fixes) + ".")
 
 
 def _shape(shape) -> str:

@@ -66,7 +66,7 @@ from flax import nnx
 from fp8jax.dense import fp8_dense
 from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
-from fp8jax.flax.dot_report import Fp8Report
+from fp8jax.flax.dot_report import Fp8Report, nothing_converted_message
 from fp8jax.flax.interception_session import Session
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
 from fp8jax.flax.op_routing import dot_calls_routed_to
@@ -133,14 +133,14 @@ class Fp8Model:
     """
     with fp8_dense_layers(self.layer_filter, self.recipe, self.rules) as report:
       variables = self.module.init(rngs, *args, **kwargs)
-    _warn_if_nothing_converted(report())
+    _warn_if_nothing_converted(report(), self.layer_filter)
     return variables
 
   def init_with_output(self, rngs, *args, **kwargs):
     """`module.init_with_output(rngs, *args, **kwargs)` with the chosen dots in FP8."""
     with fp8_dense_layers(self.layer_filter, self.recipe, self.rules) as report:
       result = self.module.init_with_output(rngs, *args, **kwargs)
-    _warn_if_nothing_converted(report())
+    _warn_if_nothing_converted(report(), self.layer_filter)
     return result
 
   def apply(self, variables, *args, **kwargs):
@@ -163,13 +163,11 @@ class Fp8Model:
     return found[0]
 
 
-def _warn_if_nothing_converted(report: Fp8Report) -> None:
+def _warn_if_nothing_converted(report: Fp8Report, layer_filter) -> None:
   if report.rows and not report.converted:
-    warnings.warn(
-        f"fp8jax: Fp8Model runs none of the model's {len(report.rows)} dots in FP8 (the first: "
-        f"{report.rows[0].path} {report.rows[0].kind}, {report.rows[0].reason}). See "
-        "fp8_model.report(rng, *inputs) for every dot and why; name dots for FP8 with "
-        "rules=(fp8jax.flax.Fp8Rule(path=...),) or pass a layer_filter.", stacklevel=3)
+    warnings.warn(nothing_converted_message(
+        report, "Fp8Model", filter_passed=layer_filter is not default_layer_filter) +
+        " fp8_model.report(rng, *inputs) lists every dot and why.", stacklevel=3)
 
 
 def _check_linen_module(module) -> None:
