@@ -84,7 +84,8 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   check_threaded(meta, "fp8_dot_general")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
   fine_grained = is_fine_grained(meta.recipe)
-  layout = matrix_layout(dims, x.shape, kernel.shape)
+  layout = matrix_layout(dims, x.shape, kernel.shape, explicit_mesh.explicit_spec(x),
+                         explicit_mesh.explicit_spec(kernel))
   if fine_grained or meta.recipe.high_precision:
     # Per-row / per-block recipes have their own GEMMs; high-precision GEMMs take the
     # general path, which keeps the unquantized operands they need.
@@ -111,7 +112,7 @@ def _reused_kernel(kernel, meta, layout):
     return cache.take(kernel, meta)
   fresh = dataclasses.replace(meta, amax=jnp.zeros_like(meta.amax))
   q, q_t, scale_inv, _, quantized = _quantize_matrix(
-      kernel.reshape(layout.k, layout.n), fresh, kernel, None)
+      explicit_mesh.to_matrix(kernel, layout.n_contract), fresh, kernel, None)
   arrays = (q, q_t, quantized.amax, scale_inv)
   cache.add(weight_reuse.primal(kernel), meta, arrays)
   return arrays
@@ -221,6 +222,9 @@ class MatrixLayout:
   m: int
   k: int
   n: int
+  # The operands' explicit-mesh shardings (all None elsewhere), for the reshapes back.
+  x_spec: tuple = ()
+  kernel_spec: tuple = ()
 
   @property
   def out_shape(self) -> tuple[int, ...]:
@@ -228,8 +232,15 @@ class MatrixLayout:
     return (self.x_shape[:len(self.x_shape) - self.n_contract] +
             self.kernel_shape[self.n_contract:])
 
+  @property
+  def out_spec(self) -> tuple:
+    """The output's sharding on an explicit mesh: x's free axes', then the kernel's."""
+    return (self.x_spec[:len(self.x_shape) - self.n_contract] +
+            self.kernel_spec[self.n_contract:])
 
-def matrix_layout(dims, x_shape, kernel_shape) -> MatrixLayout | None:
+
+def matrix_layout(dims, x_shape, kernel_shape, x_spec=None,
+                  kernel_spec=None) -> MatrixLayout | None:
   """The `MatrixLayout` of `dims`, or None when the dot is not a plain matrix product.
 
   That is the case when there are no batch dims, x contracts its trailing axes
@@ -248,7 +259,9 @@ def matrix_layout(dims, x_shape, kernel_shape) -> MatrixLayout | None:
                       n_contract=n_contract,
                       m=math.prod(x_shape[:len(x_shape) - n_contract]),
                       k=math.prod(kernel_shape[:n_contract]),
-                      n=math.prod(kernel_shape[n_contract:]))
+                      n=math.prod(kernel_shape[n_contract:]),
+                      x_spec=tuple(x_spec or (None,) * len(x_shape)),
+                      kernel_spec=tuple(kernel_spec or (None,) * len(kernel_shape)))
 
 
 def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
@@ -279,9 +292,9 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
 
 
 def _matrix_fwd(x, kernel, meta, reused, layout):
-  x2 = x.reshape(layout.m, layout.k)
+  x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
   if reused is None:
-    k2 = kernel.reshape(layout.k, layout.n)
+    k2 = explicit_mesh.to_matrix(kernel, layout.n_contract)
     qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None,
                                                         gathered_for=x2)
   else:
@@ -291,7 +304,7 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
                                                                      (scale_inv_k,))
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(qx, qk_t, fprop_descale, x.dtype)
-  out = out.reshape(layout.out_shape)
+  out = explicit_mesh.reshape(out, layout.out_shape, layout.out_spec)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
   # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad).
   residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad)
@@ -300,7 +313,7 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
 
 def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
-  g2 = g.reshape(layout.m, layout.n)
+  g2 = explicit_mesh.to_matrix(g, g.ndim - (len(layout.kernel_shape) - layout.n_contract))
   # The grad role's scale is the forward state's; its amax goes to the cotangent.
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
   qg, qg_t, _, (dgrad_descale, wgrad_descale), recorded = _quantize_matrix(
@@ -313,8 +326,8 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
   with jax.named_scope("fp8_wgrad"):
     dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, kernel_dtype,
                           out_spec=explicit_mesh.explicit_spec(qk))
-  dx = dx.reshape(layout.x_shape)
-  dk = dk.reshape(layout.kernel_shape)
+  dx = explicit_mesh.reshape(dx, layout.x_shape, layout.x_spec)
+  dk = explicit_mesh.reshape(dk, layout.kernel_shape, layout.kernel_spec)
   return dx, dk, dataclasses.replace(grad_cotangent, amax=recorded.amax)
 
 

@@ -22,6 +22,7 @@ types carry no sharding and these GEMMs are plain `dot_general`s.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import jax
@@ -76,6 +77,32 @@ def free_dims_spec(a: jax.Array, b: jax.Array, dims) -> Spec:
   return _without_repeated_axes(batch + a_free + b_free)
 
 
+def reshape(t: jax.Array, shape: Sequence[int], spec: Spec) -> jax.Array:
+  """`t.reshape(shape)`, sharded as `spec` where `t` is split over an explicit mesh axis.
+
+  JAX does not guess the sharding of a reshape that splits a dim of an
+  explicitly sharded array (e.g. `[32@data, 64] -> [4, 8, 4, 16]`); this names it.
+  """
+  if not is_explicitly_sharded(t):
+    return t.reshape(shape)
+  mesh = jax.typeof(t).sharding.mesh
+  return jax.lax.reshape(t, tuple(shape), out_sharding=NamedSharding(
+      mesh, PartitionSpec(*_without_repeated_axes(spec))))
+
+
+def to_matrix(t: jax.Array, n_row_dims: int) -> jax.Array:
+  """`t` folded to 2-D: its first `n_row_dims` dims become the rows, the others the columns.
+
+  On an explicit mesh each folded dim keeps the mesh axes of its leading (major) dim,
+  so a batch split over "data" stays split over "data" with no data moved.
+  """
+  rows = math.prod(t.shape[:n_row_dims])
+  cols = math.prod(t.shape[n_row_dims:])
+  spec = explicit_spec(t)
+  return reshape(t, (rows, cols), (spec[0] if n_row_dims else None,
+                                   spec[n_row_dims] if n_row_dims < t.ndim else None))
+
+
 def spec_before_transpose(spec: Spec, perm: Sequence[int]) -> Spec:
   """The spec of `r` such that `jnp.transpose(r, perm)` is sharded as `spec`."""
   before = [None] * len(perm)
@@ -92,3 +119,15 @@ def _without_repeated_axes(entries) -> Spec:
     used |= set(kept)
     out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return tuple(out)
+
+
+def with_out_sharding(y: jax.Array, out_sharding: Any) -> jax.Array:
+  """`y` resharded as `out_sharding` (a `Sharding` or `PartitionSpec`), or `y` if None.
+
+  What the `out_sharding` argument of Flax's layers (and of `lax.dot_general`)
+  does: the result's type names that sharding. As in JAX, it is for explicit-axis
+  meshes; naming an Auto axis raises JAX's own error.
+  """
+  if out_sharding is None:
+    return y
+  return jax.sharding.reshard(y, out_sharding)

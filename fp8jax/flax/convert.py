@@ -23,9 +23,11 @@ that names it: one with its own `dot_general` / `dot_general_cls` / `einsum_op`
 / `promote_dtype`, or `preferred_element_type`; an `Einsum` with a bias, with an
 ellipsis, or whose contraction is not a matrix product; a computation dtype that
 is not bf16, f16, f32 or f64; a layer held in a tuple (which cannot be changed in
-place: hold it in an `nnx.List` or an attribute). An `Einsum` that the model
-calls with an `einsum_str` argument must be left out by the filter: `Fp8Einsum`
-takes its equation at construction only.
+place: hold it in an `nnx.List` or an attribute). An `Einsum` whose equation
+comes with each call (`einsum_str=None` at construction) has no K and N before a
+call, so the filter leaves it; a rule that names it converts it, and `Fp8Einsum`
+takes the equation at each call as `nnx.Einsum` does. Every FP8 layer accepts the
+call arguments of the layer it replaces (`out_sharding` included).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from flax import nnx
 
 from fp8jax.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
-from fp8jax.flax.dot_report import DotRecord, Fp8Report
+from fp8jax.flax.dot_report import DotRecord, Fp8Report, nothing_converted_message
 from fp8jax.flax.nnx_dots import convert_dots, find_dots, routable
 from fp8jax.flax.rules import OP_KINDS, Fp8Rule, check_rules, decide
 from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
@@ -87,11 +89,9 @@ def convert_to_fp8(model: nnx.Module, *,
     records += _convert_dots(model, recipe, rules, tuple(example_inputs))
   result = Fp8Report(tuple(records))
   if result.rows and not result.converted:
-    first = result.rows[0]
-    warnings.warn(f"fp8jax: convert_to_fp8 converted none of the model's {len(result.rows)} "
-                  f"candidates (the first: {first.path} {first.kind}, {first.reason}). "
-                  "Name layers or dots for FP8 with rules=(fp8jax.flax.Fp8Rule(path=...),) or "
-                  "pass a layer_filter.", stacklevel=2)
+    warnings.warn(nothing_converted_message(
+        result, "convert_to_fp8", filter_passed=layer_filter is not default_layer_filter) +
+        " convert_to_fp8(..., report=True) lists every candidate and why.", stacklevel=2)
   return result if report else tuple(row.path for row in result.converted)
 
 
@@ -102,6 +102,9 @@ def _convert_layers(model, layer_filter, recipe, rules, filter_name) -> list[Dot
   for path, node in nodes:
     plan = _plan(tuple(path), node)
     if plan is None:
+      continue
+    if plan.equation_at_call and not any(rule.names(plan.layer) for rule in rules):
+      records.append(DotRecord.of(plan.layer, None, _EQUATION_AT_CALL))
       continue
     decision = decide(rules, plan.layer, layer_filter, recipe, filter_name)
     if decision.recipe is None:
@@ -121,6 +124,11 @@ def _convert_layers(model, layer_filter, recipe, rules, filter_name) -> list[Dot
   for _, node in nodes:
     _replace_children(node, replacements)
   return records
+
+
+_EQUATION_AT_CALL = (
+    "not chosen: its einsum_str comes with each call, so its K and N are unknown before a "
+    "call; name it with an Fp8Rule to run it in FP8")
 
 
 def _convert_dots(model, recipe, rules, example_inputs) -> list[DotRecord]:
@@ -182,6 +190,7 @@ def _replace_children(node, replacements: dict) -> None:
 class _Plan:
   layer: LayerInfo
   blocker: str | None
+  equation_at_call: bool = False  # an Einsum given its einsum_str by each call
 
 
 def _plan(path: tuple, node) -> _Plan | None:
@@ -203,6 +212,13 @@ def _plan(path: tuple, node) -> _Plan | None:
 def _einsum_plan(path, node) -> _Plan:
   shape = tuple(node.kernel_shape)
   spec = node.einsum_str
+  if spec is None:
+    # The equation comes with each call: K and N are unknown here, but a rule may name it.
+    layer = LayerInfo(path, "Einsum", shape, (), ())
+    blocker = _blocker(node, {"einsum_op": jnp.einsum})
+    if blocker is None and node.bias is not None:
+      blocker = "it has a bias, which fp8jax.flax.nnx.Fp8Einsum does not have"
+    return _Plan(layer, blocker, equation_at_call=True)
   x_labels, k_labels, out_labels = "", "", ""
   if "..." not in spec:
     (x_labels, k_labels), out_labels = spec.split("->")[0].split(","), spec.split("->")[1]
@@ -254,7 +270,11 @@ def _fp8_layer(node, recipe: Recipe) -> nnx.Module:
                                      use_bias=node.bias is not None, rngs=nnx.Rngs(0), **common)
   else:
     build = lambda: Fp8Einsum(node.einsum_str, node.kernel_shape, rngs=nnx.Rngs(0), **common)
-  layer = nnx.eval_shape(build)
+  # Built abstractly outside any mesh context: its placeholder parameters are replaced by
+  # node's below, and nnx.eval_shape under jax.set_mesh would give them a sharding of
+  # their own (which fails for variables without sharding metadata).
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    layer = nnx.eval_shape(build)
   layer.kernel = node.kernel
   if hasattr(layer, "bias"):
     layer.bias = node.bias

@@ -35,6 +35,7 @@ from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
 from fp8jax.dense import fp8_dense
 from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
+from fp8jax.explicit_mesh import with_out_sharding
 from fp8jax.meta import DotMeta, init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe
 from fp8jax.state_gradients import detach_outside_step, guard_fp8_state
@@ -108,14 +109,16 @@ class Fp8DotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None):
+               preferred_element_type=None, *, out_sharding=None):
+    """`lax.dot_general`'s arguments; `out_sharding` names the output's sharding on an
+    explicit-axis mesh, as there."""
     del precision  # FP8 GEMMs accumulate in float32 regardless.
     variable = dot_meta_variable(self, self.recipe)
     out, new_meta = fp8_dot_general(lhs, rhs, read_meta(self, variable), dimension_numbers)
     store_dot_meta(self, variable, new_meta)
     if preferred_element_type is not None:
       out = out.astype(preferred_element_type)
-    return out
+    return with_out_sharding(out, out_sharding)
 
 
 class Fp8Dense(nn.Module):
@@ -139,7 +142,8 @@ class Fp8Dense(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    x = inputs
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
                         self.param_dtype)
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
@@ -168,7 +172,8 @@ class Fp8DenseGeneral(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    x = inputs
     features = _as_tuple(self.features)
     axis = tuple(sorted(a % x.ndim for a in _as_tuple(self.axis)))
     kernel_shape = tuple(x.shape[a] for a in axis) + features
@@ -190,12 +195,13 @@ class Fp8Einsum(nn.Module):
 
   Attributes:
     shape: the kernel's shape.
-    einsum_str: explicit two-operand form, e.g. "bsd,dhk->bshk".
+    einsum_str: explicit two-operand form, e.g. "bsd,dhk->bshk"; or None, and each
+      call gives it (as for `nn.Einsum`: exactly one of the two).
     use_bias: add a bias of the output's trailing dims that come from the kernel.
   """
 
   shape: Sequence[int]
-  einsum_str: str
+  einsum_str: str | None = None
   use_bias: bool = False
   recipe: Recipe = DelayedScaling()
   dtype: Any = None
@@ -204,11 +210,13 @@ class Fp8Einsum(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array, einsum_str: str | None = None) -> jax.Array:
+    x = inputs
+    einsum_str = nn.merge_param("einsum_str", self.einsum_str, einsum_str)
     kernel = self.param("kernel", self.kernel_init, tuple(self.shape), self.param_dtype)
     bias = None
     if self.use_bias:
-      _, k_labels, out_labels = parse_two_operand_subscripts(self.einsum_str, x.ndim,
+      _, k_labels, out_labels = parse_two_operand_subscripts(einsum_str, x.ndim,
                                                              len(self.shape))
       trailing = []
       for label in reversed(out_labels):
@@ -218,7 +226,7 @@ class Fp8Einsum(nn.Module):
       bias = self.param("bias", self.bias_init, tuple(trailing), self.param_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     variable = dot_meta_variable(self, self.recipe)
-    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, read_meta(self, variable))
+    y, new_meta = fp8_einsum(einsum_str, x, kernel, read_meta(self, variable))
     store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)

@@ -41,6 +41,7 @@ from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
 from fp8jax.dense import fp8_dense
 from fp8jax.dot import fp8_dot_general
 from fp8jax.einsum import fp8_einsum
+from fp8jax.explicit_mesh import with_out_sharding
 from fp8jax.meta import init_dot_meta
 from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
 from fp8jax.state_gradients import NNX_FIX, detach_outside_step, guard_fp8_state
@@ -96,19 +97,24 @@ class Fp8Linear(nnx.Module):
                  if use_bias else None)
     self.fp8_meta = Fp8MetaVariable(init_dot_meta(recipe))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """inputs [..., in_features] -> [..., out_features]; `out_sharding` as for `nnx.Linear`
+    (the output's sharding on an explicit-axis mesh)."""
     kernel = _get(self.kernel)
     bias = _get(self.bias) if self.bias is not None else None
-    x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    x, kernel, bias = nnx.nn.dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
     y, new_meta = fp8_dense(x, kernel, bias, _read(self.fp8_meta, "of an Fp8Linear"))
     _record(self, self.fp8_meta, new_meta)
-    return y
+    return with_out_sharding(y, out_sharding)
 
 
 class Fp8Einsum(nnx.Module):
-  """`nnx.Einsum` with an FP8 contraction: `einsum(einsum_str, x, kernel)`."""
+  """`nnx.Einsum` with an FP8 contraction: `einsum(einsum_str, x, kernel)`.
 
-  def __init__(self, einsum_str: str, kernel_shape, *, recipe: Recipe = DelayedScaling(),
+  As for `nnx.Einsum`, an equation given to a call takes the place of this one.
+  """
+
+  def __init__(self, einsum_str: str | None, kernel_shape, *, recipe: Recipe = DelayedScaling(),
                dtype: Any = None, param_dtype: Any = jnp.float32,
                kernel_init=nnx.initializers.lecun_normal(), use_running_average: bool = False,
                rngs: nnx.Rngs):
@@ -119,12 +125,24 @@ class Fp8Einsum(nnx.Module):
     self.kernel = nnx.Param(kernel_init(rngs.params(), tuple(kernel_shape), param_dtype))
     self.fp8_meta = Fp8MetaVariable(init_dot_meta(recipe))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x, kernel = nnx.nn.dtypes.promote_dtype((x, _get(self.kernel)), dtype=self.dtype)
+  def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
+               out_sharding=None) -> jax.Array:
+    """`einsum(einsum_str, inputs, kernel)`; `einsum_str` (overrides the constructor's)
+    and `out_sharding` as for `nnx.Einsum`."""
+    einsum_str = _one_equation(self.einsum_str, einsum_str)
+    x, kernel = nnx.nn.dtypes.promote_dtype((inputs, _get(self.kernel)), dtype=self.dtype)
     meta = _read(self.fp8_meta, "of an Fp8Einsum")
-    y, new_meta = fp8_einsum(self.einsum_str, x, kernel, meta)
+    y, new_meta = fp8_einsum(einsum_str, x, kernel, meta)
     _record(self, self.fp8_meta, new_meta)
-    return y
+    return with_out_sharding(y, out_sharding)
+
+
+def _one_equation(constructed: str | None, called: str | None) -> str:
+  """The call's equation if it gives one, else the constructor's (as `nnx.Einsum` reads them)."""
+  if called is None and constructed is None:
+    raise ValueError("Fp8Einsum has no einsum_str: give the equation at construction or to "
+                     "the call (as for nnx.Einsum).")
+  return constructed if called is None else called
 
 
 class Fp8MultiHeadAttention(nnx.Module):
@@ -207,7 +225,10 @@ class Fp8LinearGeneral(nnx.Module):
                  if use_bias else None)
     self.fp8_meta = Fp8MetaVariable(init_dot_meta(recipe))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """`out_sharding` as for `nnx.LinearGeneral` (the output's sharding on an
+    explicit-axis mesh)."""
+    x = inputs
     axis = tuple(a % x.ndim for a in self.axis)
     batch = tuple(a for a, _ in self.batch_axis)
     kernel = _get(self.kernel)
@@ -221,7 +242,7 @@ class Fp8LinearGeneral(nnx.Module):
       # y is [batch axes, x's other axes, out_features]; the bias varies along the batch axes.
       expanded = tuple(x.shape[a] if a in batch else 1 for a in range(x.ndim) if a not in axis)
       y = y + jnp.reshape(bias, expanded + self.out_features).astype(y.dtype)
-    return y
+    return with_out_sharding(y, out_sharding)
 
 
 def _as_tuple(value) -> tuple:
