@@ -31,7 +31,11 @@ wherever a built-in one does. README "Write your own recipe" has an example.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+
+import jax
+import jax.numpy as jnp
 
 from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.validation import check_int
@@ -418,6 +422,39 @@ def _check_protocol_values(recipe) -> None:
     if not isinstance(getattr(recipe, role), Fp8Format):
       raise TypeError(f"{name}.{role} must be an fp8jax.Fp8Format (E4M3 or E5M2), got "
                       f"{getattr(recipe, role)!r}.")
+  if not recipe.fused_update:
+    _check_window_amax(recipe)
+
+
+# Rows of the abstract history a recipe's own window_amax is tried on: more than one, so
+# a window that drops or keeps the wrong axis shows.
+_PROBE_ROWS = 3
+
+
+@functools.lru_cache(maxsize=256)
+def _check_window_amax(recipe) -> None:
+  """A recipe's own `window_amax` maps a float32 [rows, L] history to float32 [rows].
+
+  Checked on shapes only (`jax.eval_shape`), once per recipe, where the recipe is
+  first used, so a wrong shape names the method instead of failing a step later.
+  """
+  name = type(recipe).__name__
+  history = jax.ShapeDtypeStruct((_PROBE_ROWS, recipe.history_len), jnp.float32)
+  try:
+    window = jax.eval_shape(recipe.window_amax, history)
+  except Exception as error:  # the user's method: any failure is theirs to see
+    raise TypeError(
+        f"{name}.window_amax(history) failed on a float32 history of shape "
+        f"{history.shape} ([rows, history_len]): {type(error).__name__}: {error}") from error
+  want = (_PROBE_ROWS,)
+  if not isinstance(window, jax.ShapeDtypeStruct) or window.shape != want or not (
+      jnp.issubdtype(window.dtype, jnp.floating)):
+    got = (f"shape {window.shape} and dtype {window.dtype}"
+           if isinstance(window, jax.ShapeDtypeStruct) else repr(window))
+    raise ValueError(
+        f"{name}.window_amax(history) must return one float per row of the [rows, "
+        f"history_len] history: given shape {history.shape} it must return shape {want}, "
+        f"but it returned {got}. Reduce over axis 1 (e.g. history.max(axis=1)).")
 
 
 def recipe_kind(cls: type) -> str:

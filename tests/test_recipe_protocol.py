@@ -214,3 +214,29 @@ class _MeanOfHistory(fp8jax.Recipe):
 def test_a_user_recipe_with_an_invalid_protocol_value_is_refused():
   with pytest.raises(ValueError, match=r"_MeanOfHistory.amax_compute_algo='mean' is not one of"):
     fp8jax.init_dot_meta(_MeanOfHistory())
+
+
+@dataclasses.dataclass(frozen=True)
+class _WindowKeepsTheHistory(fp8jax.DelayedScaling):
+  """Forgets to reduce: returns the [rows, L] history itself."""
+
+  def window_amax(self, history):
+    return history
+
+
+@dataclasses.dataclass(frozen=True)
+class _WindowFails(fp8jax.DelayedScaling):
+  def window_amax(self, history):
+    return history.max(axis=2)
+
+
+def test_a_window_amax_of_the_wrong_shape_is_named_where_the_recipe_is_first_used():
+  """It used to fail the first step with "cannot reshape array of shape (1, 16)"."""
+  recipe = _WindowKeepsTheHistory(amax_history_len=16)
+  with pytest.raises(ValueError, match=r"_WindowKeepsTheHistory.window_amax\(history\) must "
+                                       r"return one float per row.*shape \(3, 16\) it must "
+                                       r"return shape \(3,\).*returned shape \(3, 16\)"):
+    fp8jax.init_dot_meta(recipe)
+  with pytest.raises(TypeError, match=r"_WindowFails.window_amax\(history\) failed on a "
+                                      r"float32 history of shape \(3, 4\)"):
+    fp8jax.init_meta(_WindowFails(amax_history_len=4), fp8jax.E4M3)
