@@ -68,13 +68,17 @@ checkpoint names (`module:Class`): restore only checkpoints you trust.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import errno
+import gc
 import json
+import logging
 import os
 import pathlib
 import re
 import shutil
+import sys
 import threading
 import warnings
 import zlib
@@ -268,6 +272,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state
     raise ValueError(f"directory={str(directory)!r}: names containing {TMP_MARKER!r} or "
                      f"{STAGING_MARKER!r} are reserved for unfinished saves; choose another "
                      "name.")
+  _check_parent_is_a_directory(path, directory)
   if path.exists() and not overwrite:
     raise CheckpointExists(
         f"directory={str(directory)!r} already exists; pass overwrite=True to replace it "
@@ -297,6 +302,18 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_state
         "one was writing; that checkpoint is kept and this save's files were deleted. "
         f"Let one writer save to each directory (e.g. a directory per step){again}.")
   return path
+
+
+def _check_parent_is_a_directory(path: pathlib.Path, directory) -> None:
+  """Raises NotADirectoryError naming the user's path when a file stands where a folder of
+  it must be (the save would fail deep in orbax, naming its own staging path)."""
+  for ancestor in path.parents:
+    if ancestor.exists():
+      if not ancestor.is_dir():
+        raise NotADirectoryError(
+            f"directory={str(directory)!r} cannot be created: {str(ancestor)!r} is a file, "
+            "not a directory. Save under a directory (or remove that file).")
+      return
 
 
 # orbax's save keeps process-wide state (the id of the current save operation, which
@@ -531,10 +548,72 @@ def _read_arrays(ocp, path: pathlib.Path, abstract: dict, directory) -> dict:
     damage = _damage_in(error)
     if damage is None:
       raise  # e.g. a sharding that does not fit an array: its own message says what
-    raise CheckpointCorrupted(
-        f"Could not read the arrays of checkpoint {str(directory)!r} "
-        f"({_arrays_named_in(damage, abstract)}): its files are missing, cut short or "
-        f"corrupt: {_error_text(damage)}. {_DAMAGED}") from error
+    message = (f"Could not read the arrays of checkpoint {str(directory)!r} "
+               f"({_arrays_named_in(damage, abstract)}): its files are missing, cut short or "
+               f"corrupt: {_error_text(damage)}. {_DAMAGED}")
+    _close_abandoned_reads(error)
+    raise CheckpointCorrupted(message) from error
+
+
+def _close_abandoned_reads(error: BaseException) -> None:
+  """Ends the reads orbax left running when one array failed, without their echoes.
+
+  orbax reads the arrays concurrently and stops at the first failure; the other reads
+  stay suspended in coroutines that the failure's traceback keeps alive. When they are
+  collected, each raises orbax's "Encountered error while reading array index" as an
+  unraisable exception, and tensorstore's reads that finish later call into the closed
+  event loop ("Event loop is closed", "Task exception was never retrieved"), up to
+  interpreter exit: a thousand lines of tracebacks after fp8jax's one clear error. So
+  the tracebacks of the chained errors are dropped (their messages stay), the
+  coroutines are collected now, and from here on this process drops exactly those
+  echoes of a failed read (the same hook again at exit, should another library have
+  replaced it); every other unraisable exception and log record passes as before.
+  """
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    error.__traceback__ = None
+    error = error.__cause__ or error.__context__
+  _drop_echoes_of_failed_reads()
+  gc.collect()
+
+
+# The hook and log filter of `_drop_echoes_of_failed_reads`, once installed.
+_echo_silencer = {"hook": None, "filter": None}
+
+
+def _drop_echoes_of_failed_reads() -> None:
+  """Installs (once per process) the unraisable hook and asyncio log filter that drop the
+  echoes of an abandoned read, and re-installs the hook at exit."""
+  if sys.unraisablehook is not _echo_silencer["hook"]:
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable):
+      if not _is_echo_of_failed_read(unraisable.exc_value):
+        previous_hook(unraisable)
+
+    _echo_silencer["hook"] = hook
+    sys.unraisablehook = hook
+  if _echo_silencer["filter"] is None:
+    _echo_silencer["filter"] = _EchoFilter()
+    logging.getLogger("asyncio").addFilter(_echo_silencer["filter"])
+    atexit.register(_drop_echoes_of_failed_reads)
+
+
+def _is_echo_of_failed_read(exception: BaseException | None) -> bool:
+  text = str(exception)
+  return (text.startswith("Encountered error while reading array index")
+          or (isinstance(exception, RuntimeError) and text == "Event loop is closed"))
+
+
+class _EchoFilter(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports of the abandoned reads."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc_info = record.exc_info or (None, None, None)
+    return not ("was never retrieved" in record.getMessage()
+                and (exc_info[1] is None or _is_echo_of_failed_read(exc_info[1])
+                     or _damage_in(exc_info[1]) is not None))
 
 
 def _verify_checksums(directory, restored: dict, saved: dict) -> None:

@@ -304,3 +304,40 @@ def test_checksums_do_not_depend_on_the_sharding(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
   sharded = json.loads(proc.stdout.strip().splitlines()[-1])
   assert sharded == ckpt.read_description(path)["crc32"]
+
+
+_RESTORE_DAMAGED_AND_EXIT = textwrap.dedent("""
+    import os, pathlib, sys, tempfile
+    sys.path.insert(0, {tests!r})
+    import test_checkpoint_integrity as t
+    path, _ = t._saved()
+    for data_file in (path / "state" / "d").iterdir():
+      os.truncate(data_file, data_file.stat().st_size // 2)
+    try:
+      t._restore(path)
+    except t.ckpt.CheckpointCorrupted as error:
+      print("refused:", str(error)[:60])
+    """)
+
+
+def test_a_refused_damaged_checkpoint_leaves_no_flood_of_tracebacks_at_exit():
+  """orbax abandons its other reads at the first damaged one; their errors used to print
+  about a thousand lines of tracebacks when collected and at interpreter exit."""
+  script = _RESTORE_DAMAGED_AND_EXIT.format(tests=str(pathlib.Path(__file__).parent))
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith("refused: Could not read the arrays of checkpoint"), proc.stdout
+  for echo in ("Encountered error while reading", "Event loop is closed",
+               "was never retrieved", "Traceback"):
+    assert echo not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_saving_under_a_file_names_the_users_path(tmp_path):
+  params, opt_state, fp8_state = _saved()[1]
+  (tmp_path / "not_a_folder").write_text("a file where a folder should be")
+  target = tmp_path / "not_a_folder" / "step_1"
+  with pytest.raises(NotADirectoryError, match=r"directory=.*not_a_folder/step_1.* cannot be "
+                                               r"created: .*not_a_folder' is a file"):
+    ckpt.save(target, params=params, opt_state=opt_state, fp8_state=fp8_state)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_folder"]  # nothing staged
