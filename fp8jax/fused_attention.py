@@ -193,16 +193,58 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 
 def _bf16_attention(backend, q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale):
   """16-bit attention on one backend ("pallas", "pallas_hopper", "cudnn" or "xla")."""
-  if backend == "pallas":
-    return pallas_kernels.flash_attention(
-        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        causal=causal, sm_scale=sm_scale)
-  if backend == "pallas_hopper":
-    return pallas_kernels.hopper_attention(
-        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        causal=causal, sm_scale=sm_scale)
+  if backend in ("pallas", "pallas_hopper"):
+    return _fused_bf16_attention(q, k, v, q_segment_ids, kv_segment_ids,
+                                 _Call(backend, causal, sm_scale))
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
                              implementation=backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_bf16_attention(q, k, v, q_seg, kv_seg, call):
+  """A fused 16-bit kernel pair, each pass run on every device's batch rows and heads
+  (`fp8jax.attention_partitioning`), as the FP8 kernels are: XLA would otherwise gather
+  q, k and v whole to every device."""
+  return _fused_bf16_attention_fwd(q, k, v, q_seg, kv_seg, call)[0]
+
+
+def _fused_bf16_attention_fwd(q, k, v, q_seg, kv_seg, call):
+  if call.backend == "pallas_hopper":
+    def kernel(q, k, v, q_seg, kv_seg):  # lse is base 2 here, as the backward takes it
+      return pallas_kernels.hopper_bf16_attention_forward(
+          q, k, v, causal=call.causal, sm_scale=call.sm_scale, q_segment_ids=q_seg,
+          kv_segment_ids=kv_seg)
+  else:
+    def kernel(q, k, v, q_seg, kv_seg):
+      result = pallas_kernels.flash_attention_forward(
+          q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal,
+          sm_scale=call.sm_scale, interpret=call.interpret)
+      return result.out, result.lse
+  out, lse = _per_shard(kernel, ("bshd", "btkd", "btkd", "bs", "bt"), ("bshd", "bhs"))(
+      q, k, v, q_seg, kv_seg)
+  return out, (q, k, v, out, lse, q_seg, kv_seg)
+
+
+def _fused_bf16_attention_bwd(call, residuals, g):
+  q, k, v, out, lse, q_seg, kv_seg = residuals
+  if call.backend == "pallas_hopper":
+    def kernel(q, k, v, out, lse, g, q_seg, kv_seg):
+      return pallas_kernels.hopper_bf16_attention_backward(
+          q, k, v, out, lse, g, causal=call.causal, sm_scale=call.sm_scale,
+          q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  else:
+    def kernel(q, k, v, out, lse, g, q_seg, kv_seg):
+      return pallas_kernels.flash_attention_backward(
+          q, k, v, out, lse, g, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+          causal=call.causal, sm_scale=call.sm_scale, interpret=call.interpret)
+  operands = ("bshd", "btkd", "btkd", "bshd", "bhs", "bshd", "bs", "bt")
+  dq, dk, dv = _per_shard(kernel, operands, ("bshd", "btkd", "btkd"))(
+      q, k, v, out, lse, g.astype(out.dtype), q_seg, kv_seg)
+  # The cotangent's dtype is the output's, which is q's.
+  return dq.astype(g.dtype), dk.astype(g.dtype), dv.astype(g.dtype), None, None
+
+
+_fused_bf16_attention.defvjp(_fused_bf16_attention_fwd, _fused_bf16_attention_bwd)
 
 
 def _visible_keys(q_len, kv_len, causal, q_segment_ids, kv_segment_ids):

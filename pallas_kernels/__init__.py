@@ -3,7 +3,8 @@
 * `flash_attention`, `flash_attention_forward`, `flash_attention_backward`:
   the fused FlashAttention-2 kernels (Triton-lowered on GPUs, the Pallas
   interpreter on CPU), bf16/f16 and FP8 E4M3 with descales.
-* `hopper_attention` (bf16/f16, differentiable), `hopper_fp8_attention_forward` and
+* `hopper_attention` (bf16/f16, differentiable; its passes alone:
+  `hopper_bf16_attention_forward` / `_backward`), `hopper_fp8_attention_forward` and
   `hopper_fp8_attention_backward`: FlashAttention-3 style kernels on Hopper tensor cores
   (Mosaic GPU, warp-specialized, TMA-fed `wgmma`, FP8 products in E4M3);
   `HopperAttentionBlockSizes` their tiles; `quantize_gradient` the backward's E4M3
@@ -35,7 +36,9 @@ from pallas_kernels.varying import can_declare_varying_outputs
 from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention,
                                             flash_attention_backward, flash_attention_forward,
                                             fp8_forward_reference)
-from pallas_kernels.hopper_attention import (hopper_attention, hopper_fp8_attention_backward,
+from pallas_kernels.hopper_attention import (hopper_attention, hopper_bf16_attention_backward,
+                                             hopper_bf16_attention_forward,
+                                             hopper_fp8_attention_backward,
                                              hopper_fp8_attention_forward, quantize_gradient)
 from pallas_kernels.hopper_attention_tiling import HopperAttentionBlockSizes
 from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_GPU,
@@ -50,6 +53,7 @@ __all__ = [
     "cast_transpose_amax",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
-    "HopperAttentionBlockSizes", "hopper_attention", "hopper_fp8_attention_backward",
+    "HopperAttentionBlockSizes", "hopper_attention", "hopper_bf16_attention_backward",
+    "hopper_bf16_attention_forward", "hopper_fp8_attention_backward",
     "hopper_fp8_attention_forward", "quantize_gradient", "running_amax",
 ]

@@ -1,7 +1,8 @@
 """Flash attention on Hopper tensor cores (Mosaic GPU, FlashAttention-3 style): bf16/f16 and FP8.
 
 * `hopper_attention`: bf16/f16 attention, differentiable (the dQ and dK/dV kernels of
-  `hopper_attention_backward` are its derivative).
+  `hopper_attention_backward` are its derivative); `hopper_bf16_attention_forward` /
+  `hopper_bf16_attention_backward` its two passes alone, for callers that place them.
 * `hopper_fp8_attention_forward` / `hopper_fp8_attention_backward`: the FP8 pair, E4M3
   inputs with descales; the backward quantizes dO itself (see `hopper_attention_backward`
   for every operand's format and why).
@@ -108,23 +109,79 @@ def _attention(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret):
 
 
 def _attention_fwd(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret):
-  scales = jnp.array([sm_scale * LOG2E, 1.0], jnp.float32)
-  out, lse2, _ = hopper_attention_forward.forward(q, k, v, scales, q_ids, kv_ids, geo=geo,
-                                                  blocks=blocks, interpret=interpret)
+  out, lse2 = _forward_16bit(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret)
   return out, (q, k, v, q_ids, kv_ids, out, lse2)
 
 
 def _attention_bwd(geo, blocks, sm_scale, interpret, residuals, g):
   q, k, v, q_ids, kv_ids, out, lse2 = residuals
-  do = g.astype(q.dtype)
-  scales = jnp.array([sm_scale * LOG2E, 1.0, 1.0, sm_scale, sm_scale], jnp.float32)
-  dq, dk, dv = hopper_attention_backward.backward(
-      q, k, v, do, _delta_and_stats(out, do, lse2), scales, q_ids, kv_ids, geo=geo,
-      blocks=blocks, interpret=interpret)
+  dq, dk, dv = _backward_16bit(q, k, v, out, lse2, g, q_ids, kv_ids, geo, blocks, sm_scale,
+                               interpret)
   return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _forward_16bit(q, k, v, q_ids, kv_ids, geo, blocks, sm_scale, interpret):
+  scales = _scalars(sm_scale * LOG2E, 1.0)
+  out, lse2, _ = hopper_attention_forward.forward(q, k, v, scales, q_ids, kv_ids, geo=geo,
+                                                  blocks=blocks, interpret=interpret)
+  return out, lse2
+
+
+def _backward_16bit(q, k, v, out, lse2, g, q_ids, kv_ids, geo, blocks, sm_scale, interpret):
+  do = g.astype(q.dtype)
+  scales = _scalars(sm_scale * LOG2E, 1.0, 1.0, sm_scale, sm_scale)
+  return hopper_attention_backward.backward(
+      q, k, v, do, _delta_and_stats(out, do, lse2), scales, q_ids, kv_ids, geo=geo,
+      blocks=blocks, interpret=interpret)
+
+
+def _scalars(*values) -> jax.Array:
+  """float32 [len(values)], built from scalars: no captured constant array, which
+  `custom_partitioning` (per-shard callers) refuses."""
+  return jnp.stack([jnp.float32(value) for value in values])
+
+
+def hopper_bf16_attention_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+    sm_scale: float | None = None, q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    block_sizes: HopperAttentionBlockSizes = HopperAttentionBlockSizes(),
+    interpret=False) -> tuple[jax.Array, jax.Array]:
+  """The forward kernel of `hopper_attention` alone (not differentiable), bf16/f16.
+
+  For callers that place the forward and backward kernels themselves (e.g. run each on
+  its own shard of the batch and heads).
+
+  Returns:
+    (out, lse2): out [batch, q_len, heads, head_dim] in q's dtype; lse2 float32 [batch,
+    heads, q_len], each row's base-2 log-sum-exp, which `hopper_bf16_attention_backward`
+    takes.
+  """
+  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes,
+                          SIXTEEN_BIT)
+  q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
+  return _forward_16bit(q, k, v, q_ids, kv_ids, geo, block_sizes,
+                        _sm_scale(sm_scale, geo.head_dim), interpret)
+
+
+def hopper_bf16_attention_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse2: jax.Array, g: jax.Array, *,
+    causal: bool = False, sm_scale: float | None = None,
+    q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+    block_sizes: HopperAttentionBlockSizes = HopperAttentionBlockSizes(),
+    interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) of `hopper_bf16_attention_forward`, in q's dtype and q's / k's shapes.
+
+  Args: as given to the forward; out and lse2 its results; g the output's cotangent.
+  """
+  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes,
+                          SIXTEEN_BIT)
+  q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
+  return _backward_16bit(q, k, v, out, lse2, g, q_ids, kv_ids, geo, block_sizes,
+                         _sm_scale(sm_scale, geo.head_dim), interpret)
 
 
 def _descale(x):

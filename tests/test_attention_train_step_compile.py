@@ -77,3 +77,34 @@ def test_fp8_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh()
   assert sum(local_q in r for r in results) == 2, results  # the forward's output, and dq
   assert sum(local_kv in r for r in results) == 1, results  # dk and dv
   assert not any(f"[{batch}," in r for r in results), results  # no global batch
+
+
+@pytest.mark.parametrize("backend,target", [("pallas", "__gpu$xla.gpu.triton"),
+                                            ("pallas_hopper", "mosaic_gpu")])
+def test_bf16_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh(backend,
+                                                                                target):
+  """The bf16 kernels get the FP8 kernels' per-shard rule: on 8 H100s (data=4 x model=2)
+  each GPU's forward and backward kernels take its own sequences and heads, and no
+  collective gathers q, k or v."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from fp8jax.fused_attention import _fused_bf16_attention
+
+  mesh = deviceless.h100_mesh(data=4, model=2)
+  batch, seq, heads, kv_heads, head_dim = 16, 2048, 16, 4, 128
+  call = _Call(backend, causal=True, sm_scale=None, interpret=False)
+  split = NamedSharding(mesh, P("data", None, "model"))
+
+  def loss_fn(q, k, v):
+    return jnp.sum(_fused_bf16_attention(q, k, v, None, None, call).astype(jnp.float32))
+
+  q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16, sharding=split)
+  kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.bfloat16, sharding=split)
+  hlo = deviceless.compile_for_h100(jax.grad(loss_fn, argnums=(0, 1, 2)), q, kv, kv).as_text()
+  assert "all-gather" not in hlo
+  kernels = [line for line in hlo.splitlines()
+             if f'custom_call_target="{target}' in line and " custom-call(" in line]
+  assert len(kernels) == 3, kernels  # the forward, and the backward's dQ and dK/dV kernels
+  local_q = f"bf16[{batch // 4},{seq},{heads // 2},{head_dim}]"
+  results = [line.split(" custom-call(")[0] for line in kernels]
+  assert any(local_q in r for r in results), results
+  assert not any(f"[{batch}," in r for r in results), results  # no global batch
