@@ -1,0 +1,14 @@
+"""Optimizers whose state is stored in FP8: Adam and AdamW with one-byte moments.
+
+    tx = fp8jax.optim.adamw(learning_rate=3e-4, weight_decay=0.1)   # as optax.adamw
+
+Both Adam moments of every large leaf are stored as E4M3 codes with a range expansion
+per 1x128 block (`moment_codec`): about 2.1 bytes of optimizer state per parameter
+instead of 8. The layer imports optax and nothing of fp8jax's other layers.
+"""
+from fp8jax.optim.adam import (MomentStorage, ScaleByAdamFp8State, adam, adamw,
+                               scale_by_adam_fp8)
+from fp8jax.optim.moment_codec import Fp8Moment
+
+__all__ = ["MomentStorage", "ScaleByAdamFp8State", "Fp8Moment", "adam", "adamw",
+           "scale_by_adam_fp8"]

@@ -1,0 +1,175 @@
+"""Adam and AdamW whose moments are stored in FP8: `scale_by_adam_fp8`, `adam`, `adamw`.
+
+The update is optax's `scale_by_adam`, computed in float32 from the moments decoded for
+this step; the step's update uses the new moments before they are stored, so storage
+error enters the next step only (as COAT, MS-AMP and torchao do). Both moments of every
+leaf with at least `MomentStorage.min_size` elements and two or more dimensions are stored
+as `fp8jax.optim.Fp8Moment` (about 1.06 bytes per element instead of 4: see
+`fp8jax.optim.moment_codec`); smaller leaves (norm gains, biases) stay float32.
+
+`adamw` is `optax.adamw`'s chain with this transformation in place of `scale_by_adam`,
+so it composes with `optax.chain`, `optax.inject_hyperparams` (the storage options are one
+frozen dataclass, which stays static) and `optax.MultiSteps`, and its state is a pytree of
+arrays that `fp8jax.checkpoint` saves bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax._src import numerics
+
+from fp8jax.optim.moment_codec import Fp8Moment, decode, encode
+
+_ROUNDINGS = ("stochastic", "nearest")
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentStorage:
+  """How Adam's moments are stored (a static, hashable configuration).
+
+  Attributes:
+    block: elements per block along each leaf's last axis (one expansion per block). With
+      a sharded last axis, each device's share must be a multiple of it.
+    k_max: the largest expansion exponent (see `fp8jax.optim.moment_codec`).
+    second_moment_rounding: "stochastic" (default; unbiased, see the codec's docstring for
+      why round-to-nearest stalls v at b2 = 0.999) or "nearest".
+    seed: the seed of the stochastic rounding's bits (with the step count and the leaf).
+    min_size: leaves with fewer elements, or fewer than two dimensions, stay float32.
+  """
+
+  block: int = 128
+  k_max: float = 8.0
+  second_moment_rounding: str = "stochastic"
+  seed: int = 0
+  min_size: int = 4096
+
+  def __post_init__(self):
+    for name in ("block", "min_size", "seed"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < (name != "seed"):
+        raise ValueError(f"MomentStorage.{name}={value!r} must be a positive int.")
+    if not 1.0 <= float(self.k_max) <= 64.0:
+      raise ValueError(f"MomentStorage.k_max={self.k_max!r} must be in [1, 64].")
+    if self.second_moment_rounding not in _ROUNDINGS:
+      raise ValueError(f"MomentStorage.second_moment_rounding="
+                       f"{self.second_moment_rounding!r} must be one of {_ROUNDINGS}.")
+
+  def stores(self, leaf) -> bool:
+    """Whether a leaf of this shape is stored in FP8 (else float32)."""
+    return jnp.ndim(leaf) >= 2 and jnp.size(leaf) >= self.min_size
+
+
+class ScaleByAdamFp8State(NamedTuple):
+  """Like optax's `ScaleByAdamState`; `mu` and `nu` leaves are `Fp8Moment`s or float32."""
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def _is_moment(x) -> bool:
+  return isinstance(x, Fp8Moment)
+
+
+def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                      eps_root: float = 0.0, *,
+                      storage: MomentStorage = MomentStorage(),
+                      nesterov: bool = False) -> optax.GradientTransformation:
+  """`optax.scale_by_adam` with both moments stored in FP8 (`MomentStorage`).
+
+  Args:
+    b1, b2, eps, eps_root, nesterov: as for `optax.scale_by_adam`.
+    storage: how the moments are stored.
+
+  Returns:
+    An `optax.GradientTransformation` whose state is a `ScaleByAdamFp8State`; the updates
+    have the gradients' shapes and dtypes.
+  """
+  if not isinstance(storage, MomentStorage):
+    raise TypeError(f"storage must be a fp8jax.optim.MomentStorage, got {storage!r}.")
+
+  def store(moment, like, rounding_key):
+    if not storage.stores(like):
+      return moment.astype(jnp.float32)
+    return encode(moment, block=storage.block, k_max=storage.k_max, key=rounding_key)
+
+  def load(stored):
+    if _is_moment(stored):
+      return decode(stored, block=storage.block)
+    return stored
+
+  def init_fn(params):
+    zeros = lambda p: store(jnp.zeros(jnp.shape(p), jnp.float32), p, None)
+    return ScaleByAdamFp8State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
+                               nu=jax.tree.map(zeros, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    count_inc = numerics.safe_increment(state.count)
+    leaves, treedef = jax.tree.flatten(updates)
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    nu_leaves = treedef.flatten_up_to(state.nu)
+    step_key = jax.random.fold_in(jax.random.key(storage.seed), count_inc)
+    new_updates, new_mu, new_nu = [], [], []
+    for index, (g, mu_stored, nu_stored) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
+      g32 = g.astype(jnp.float32)
+      # optax's order of operations, so that float32 leaves match optax bit for bit.
+      mu = (1 - b1) * g32 + b1 * load(mu_stored)
+      nu = (1 - b2) * (g32 ** 2) + b2 * load(nu_stored)
+      mu_hat = _bias_corrected(mu, b1, count_inc)
+      if nesterov:
+        mu_hat = (b1 * _bias_corrected(mu, b1, numerics.safe_increment(count_inc))
+                  + (1.0 - b1) * _bias_corrected(g32, b1, count_inc))
+      nu_hat = _bias_corrected(nu, b2, count_inc)
+      new_updates.append((mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)).astype(g.dtype))
+      stochastic = storage.second_moment_rounding == "stochastic"
+      new_mu.append(store(mu, g, None))
+      new_nu.append(store(nu, g, jax.random.fold_in(step_key, index) if stochastic else None))
+    unflatten = lambda xs: jax.tree.unflatten(treedef, xs)
+    return unflatten(new_updates), ScaleByAdamFp8State(count=count_inc, mu=unflatten(new_mu),
+                                                       nu=unflatten(new_nu))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _bias_corrected(moment, decay, count):
+  return moment / (1 - decay ** count).astype(moment.dtype)
+
+
+def adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
+         eps: float = 1e-8, eps_root: float = 0.0, *,
+         storage: MomentStorage = MomentStorage(),
+         nesterov: bool = False) -> optax.GradientTransformation:
+  """`optax.adam` with FP8 moments: `chain(scale_by_adam_fp8, scale_by_learning_rate)`.
+
+  Returns:
+    An `optax.GradientTransformation`.
+  """
+  return optax.chain(
+      scale_by_adam_fp8(b1, b2, eps, eps_root, storage=storage, nesterov=nesterov),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 1e-4,
+          mask: Any = None, *, storage: MomentStorage = MomentStorage(),
+          nesterov: bool = False) -> optax.GradientTransformation:
+  """`optax.adamw` with FP8 moments.
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov: as for
+      `optax.adamw`.
+    storage: how the moments are stored (`MomentStorage`).
+
+  Returns:
+    An `optax.GradientTransformation`:
+    `chain(scale_by_adam_fp8, add_decayed_weights, scale_by_learning_rate)`.
+  """
+  return optax.chain(
+      scale_by_adam_fp8(b1, b2, eps, eps_root, storage=storage, nesterov=nesterov),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate))
