@@ -19,7 +19,7 @@ Rows (each skipped with its reason where it cannot run here):
 Numerics, per row, against float32 attention (HIGHEST precision) on the same bf16 inputs:
 relative L2 errors of the output and of dq, dk, dv. `numerics_ok` holds when every one is
 under `TOLERANCE[bf16 | fp8]`; rows that fail are not candidates for fp8jax's automatic
-choice (see fp8jax.attention_speeds).
+choice (see fp8jax.ops.attention_backend and benchmarks/attention_speeds.py).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import fp8jax
-from fp8jax.attention_backend import BACKENDS
+from fp8jax.ops.attention_backend import BACKENDS
 
 try:
   from benchmarks.timing import environment, median_seconds, write_report

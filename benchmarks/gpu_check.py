@@ -154,7 +154,7 @@ def main(argv=None) -> int:
   dense = section("dense", lambda: run_dense(args.smoke))
   attention = section("attention", lambda: run_attention(args.smoke))
   if attention is not None:
-    from fp8jax import attention_speeds
+    from benchmarks import attention_speeds
     table = attention_speeds.table_from_results(attention, tests)
     (out / "attention_speeds.json").write_text(json.dumps(table, indent=1))
   gpt = section("gpt", lambda: run_gpt(args.smoke, args.budget_s - (time.perf_counter() - start)))

@@ -12,26 +12,33 @@ cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
 underflow, SNR), and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
 `fp8jax.data` (its embedded corpus) and `fp8jax.runs` (training runs: `fp8jax
 train`, `compare`, `calibrate`).
+
+The code lives in layers, each importing only from those below it (README "Layout"):
+`core` (numerics and state), `mesh`, `ops` (the FP8 ops), `step` (closing a step,
+`value_and_grad`), then telemetry, checkpoints, lowering, Flax, the demo and the CLI.
 """
 # Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
 from fp8jax import platform_guard  # noqa: F401
-from fp8jax.formats import E4M3, E5M2, Fp8Format, formats_for
-from fp8jax.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Recipe,
-                            RowwiseScaling)
-from fp8jax.meta import (DotMeta, Fp8Meta, init_dot_meta, init_meta, merge_stacked_metas,
-                         resize_history)
-from fp8jax.quantize import amax, dequantize, quantize
-from fp8jax.scaling import begin_step, close_step, end_step, merge_step, scale_from_amax
-from fp8jax.dot import fp8_dot_general
-from fp8jax.dense import fp8_dense
-from fp8jax.einsum import fp8_einsum
-from fp8jax.training import accumulate_gradients, value_and_grad
-from fp8jax.meta_threading import UnthreadedStateError
-from fp8jax.state_gradients import Fp8StateGradientError, differentiating_fp8_state
-from fp8jax.forward_mode import ForwardModeError
-from fp8jax.fused_attention import AttentionMeta, attention, fp8_attention, init_attention_meta
-from fp8jax.sharding import all_reduce_amax
-from fp8jax import attention_backend, deviceless, fused_kernels, lowering, telemetry
+from fp8jax.core.formats import E4M3, E5M2, Fp8Format, formats_for
+from fp8jax.core.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
+                                 Recipe, RowwiseScaling)
+from fp8jax.core.meta import (AttentionMeta, DotMeta, Fp8Meta, init_attention_meta,
+                              init_dot_meta, init_meta, merge_stacked_metas, resize_history)
+from fp8jax.core.quantize import amax, dequantize, quantize, scale_from_amax
+from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.dense import fp8_dense
+from fp8jax.ops.einsum import fp8_einsum
+from fp8jax.ops.attention import attention, fp8_attention
+from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, UnthreadedStateError,
+                               differentiating_fp8_state)
+from fp8jax.step.close import begin_step, close_step, end_step, merge_step
+from fp8jax.step.training import accumulate_gradients, value_and_grad
+from fp8jax.step.all_reduce import all_reduce_amax
+# The tools, and the documented modules at their old paths (README "Layout"), which
+# `import fp8jax` has always made reachable as attributes (fp8jax.sharding.replicated).
+from fp8jax import (attention_backend, attention_partitioning, deviceless,  # noqa: F401
+                    fused_kernels, kernel_partitioning, lowering, recipes, sharding,
+                    telemetry, weight_reuse)
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",

@@ -88,10 +88,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import recipes as recipes_module
-from fp8jax.recipes import import_recipe_class, recipe_kind
-from fp8jax.formats import E4M3, E5M2
-from fp8jax.meta import Fp8Meta, check_fp8_state, is_meta
+from fp8jax.core import recipes as recipes_module
+from fp8jax.core.recipes import import_recipe_class, recipe_kind
+from fp8jax.core.formats import E4M3, E5M2
+from fp8jax.core.meta import Fp8Meta, check_fp8_state, is_meta
 
 FORMAT_NAME = "fp8jax.checkpoint"
 FORMAT_VERSION = 3
@@ -134,7 +134,7 @@ class UnverifiedCheckpointWarning(UserWarning):
 
 def _orbax():
   try:
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # optional (the 'checkpoint' extra): imported when used
   except ImportError as error:
     raise ImportError(
         "fp8jax.checkpoint needs orbax-checkpoint: pip install 'fp8jax[checkpoint]' "

@@ -38,13 +38,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.amax import amax as _amax
-from fp8jax.block_quantize import dequantize_blocks, expand_blocks
-from fp8jax.meta import DotMeta, Fp8Meta, check_dot_meta, check_fp8_state, check_role_meta, is_meta
-from fp8jax.quantize import dequantize, quantize
-from fp8jax.recipes import is_fine_grained
-from fp8jax.scaling import scale_for
-from fp8jax.validation import check_floating
+from fp8jax.core.blocks import dequantize_blocks, expand_blocks
+from fp8jax.core.meta import (DotMeta, Fp8Meta, check_dot_meta, check_fp8_state, check_role_meta,
+                              is_meta)
+from fp8jax.core.quantize import amax as _amax
+from fp8jax.core.quantize import dequantize, quantize
+from fp8jax.core.recipes import is_fine_grained
+from fp8jax.core.validation import check_floating
+from fp8jax.ops.cast import cast_scale
 
 TELEMETRY_COLLECTION = "fp8_telemetry"
 
@@ -106,11 +107,11 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
     snr_db    = 10 * log10(sum(x**2) / sum((x - q / s)**2))   over finite x
 
   where `q = fp8(clip(float32(x) * s, ±fmt.max))` rounded to nearest even. For the
-  per-tensor recipes `s` is `scale_for(meta, amax(x))`, what
-  `fp8jax.scaling.quantize_with_meta` uses. For the per-row / per-block recipes
+  per-tensor recipes `s` is `cast_scale(meta, amax(x), x)`, what
+  `fp8jax.ops.cast.quantize_with_meta` uses. For the per-row / per-block recipes
   (`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`) it is the forward GEMM's
   scale of the element's row, column, tile or block along the contraction axis,
-  from `fp8jax.block_quantize` as `fp8jax.fine_grained_dot` computes it, and the
+  from `fp8jax.core.blocks` as `fp8jax.ops.fine_grained_dot` computes it, and the
   reported `scale` is the smallest (the one of the largest block amax).
 
   A tensor's (or row's, block's) largest element counts as saturated when
@@ -160,7 +161,7 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
     q, x, dequantized = quantized.q, x2, dequantize_blocks(quantized)
     reported_scale = jnp.min(block_scale)
   else:
-    scale = scale_for(meta, x_amax, like=x)
+    scale = cast_scale(meta, x_amax, like=x)
     q = quantize(x, scale, fmt)
     dequantized, reported_scale = dequantize(q, scale), scale
   return _stats(x, q, scale, dequantized, x_amax, reported_scale, fmt)

@@ -403,7 +403,7 @@ def cast_transpose_amax_reference(
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
   """`cast_transpose_amax` in plain jnp: the definition the kernel matches bit for bit.
 
-  q is `fp8jax.quantize`'s formula; the amax is `fp8jax.quantize.amax`'s with the NaN
+  q is `fp8jax.quantize`'s formula; the amax is `fp8jax.amax`'s with the NaN
   rule made explicit (a NaN in x or in amax_in gives NaN). Takes the same arguments
   (without the kernel knobs) and returns the same (q, q_t or None, amax_out).
   """

@@ -7,7 +7,7 @@
   inputs with descales; the backward quantizes dO itself (see `hopper_attention_backward`
   for every operand's format and why).
 
-Semantics are fp8jax's (fp8jax.fused_attention): GQA (heads a multiple of kv_heads), a
+Semantics are fp8jax's (fp8jax.ops.attention): GQA (heads a multiple of kv_heads), a
 causal mask aligned bottom-right (query i sees keys j <= i + kv_len - q_len), segment ids
 (a query sees keys of its own id), and a query row that sees no key outputs 0 and gets no
 gradient. Shapes: head_dim 64 or 128, sequence lengths multiples of

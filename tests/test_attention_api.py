@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import fp8jax
-from fp8jax import attention_backend
+from fp8jax.ops import attention_backend
 from fp8jax.flax import linen as fp8nn
 from fp8jax.flax import nnx as fp8nnx
 from fp8_reference import quantize_reference
@@ -140,7 +140,7 @@ def test_cpu_chooses_xla_attention_without_warning_for_bf16_and_fp8():
     warnings.simplefilter("error")
     for fp8 in (False, True):
       for head_dim in (48, 64):  # also head dims the fused kernels lack
-        choice = fp8jax.fused_attention.choose_backend(
+        choice = fp8jax.ops.attention.choose_backend(
             q[..., :head_dim], k[..., :head_dim], fp8=fp8, causal=True, has_segments=False,
             recipe=RECIPE if fp8 else None)
         assert choice == attention_backend.BackendChoice("xla"), (fp8, head_dim)
@@ -172,16 +172,17 @@ def _entry(forward, backward, validated=True):
 
 
 def test_measured_table_is_the_committed_h100_benchmark():
-  """fp8jax.attention_speeds.MEASURED is derived from its SOURCE, not typed in."""
+  """The measured table fp8jax.ops.attention_backend reads is derived from its SOURCE, not
+  typed in."""
   import json
   import pathlib
-  from fp8jax import attention_speeds
-  source = pathlib.Path(__file__).resolve().parents[1] / attention_speeds.SOURCE
+  from benchmarks import attention_speeds
+  source = pathlib.Path(__file__).resolve().parents[1] / attention_backend.SOURCE
   # The Hopper FP8 forward in that run failed its separate GPU check
   # (benchmarks/results/h100_hopper_fp8_attention_check.json).
   derived = attention_speeds.table_from_results(
       json.loads(source.read_text()), failed_checks=("fp8/pallas_hopper_fp8",))
-  assert derived == attention_speeds.MEASURED
+  assert derived == attention_backend.MEASURED
 
 
 def test_gpu_selection_takes_the_fastest_validated_measured_backend():
@@ -204,14 +205,13 @@ def test_gpu_selection_takes_the_fastest_validated_measured_backend():
 
 
 def test_fp8_backend_is_chosen_only_when_validated_and_faster_than_bf16(monkeypatch):
-  from fp8jax import attention_speeds
   def table(fp8_entry):
     return {"sm_90": {"none": {"bf16": {"cudnn": _entry(540, 490)},
                                "fp8": {"pallas_hopper_fp8": fp8_entry}}}}
   for fp8_entry, expected in ((_entry(800, 600), "pallas_hopper_fp8"),
                               (_entry(800, 600, validated=False), "cudnn"),
                               (_entry(600, 300), "cudnn")):  # faster forward, slower step
-    monkeypatch.setattr(attention_speeds, "MEASURED", table(fp8_entry))
+    monkeypatch.setattr(attention_backend, "MEASURED", table(fp8_entry))
     attention_backend.select_backend.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")

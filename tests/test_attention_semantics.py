@@ -1,6 +1,6 @@
 """One attention semantics on every backend, against a float64 numpy reference.
 
-The semantics (fp8jax.fused_attention's docstring): segment ids select the keys a
+The semantics (fp8jax.ops.attention's docstring): segment ids select the keys a
 query may see; causal masks are aligned bottom-right (query i sees keys
 j <= i + kv_len - q_len); a query row that sees no key outputs 0 and passes no
 gradient. The same random inputs run on every backend a CPU can run ("xla", and
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import attention_backend
+from fp8jax.ops import attention_backend
 from fp8_reference import quantize_reference
 from pallas_kernels.flash_attention import (
     BlockSizes, flash_attention, flash_attention_forward, fp8_forward_reference)

@@ -16,7 +16,7 @@ import pytest
 
 import fp8jax
 from fp8jax import deviceless
-from fp8jax.fused_attention import _Call, _fp8_attention
+from fp8jax.ops.attention import _Call, _fp8_attention
 
 _MISSING = deviceless.deviceless_toolchain_missing()
 pytestmark = [pytest.mark.hopper,
@@ -87,7 +87,7 @@ def test_bf16_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh(
   each GPU's forward and backward kernels take its own sequences and heads, and no
   collective gathers q, k or v."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from fp8jax.fused_attention import _fused_bf16_attention
+  from fp8jax.ops.attention import _fused_bf16_attention
 
   mesh = deviceless.h100_mesh(data=4, model=2)
   batch, seq, heads, kv_heads, head_dim = 16, 2048, 16, 4, 128

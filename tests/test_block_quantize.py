@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import block_quantize as bq
+from fp8jax.core import blocks as bq
+from fp8jax.core import quantize as quantize_lib
 from fp8_reference import FORMAT_TABLE, quantize_reference
 
 FORMATS = {"e4m3": fp8jax.E4M3, "e5m2": fp8jax.E5M2}
@@ -183,10 +184,10 @@ def test_round_down_to_power_of_two_matches_float64_floor_log2_normal_and_subnor
       (rng.uniform(1, 2, 50) * 2.0**rng.integers(-126, 127, 50)),
       rng.uniform(1, 2**23, 20) * 2.0**-149,  # subnormal float32
       [2.0**-149, 2.0**-126, 1.0, 3.0, 2.0**127]]).astype(np.float32)
-  got = np.asarray(bq.round_down_to_power_of_two(jnp.asarray(values)))
+  got = np.asarray(quantize_lib.round_down_to_power_of_two(jnp.asarray(values)))
   want = np.array([2.0**math.floor(math.log2(float(v))) for v in values], np.float32)
   np.testing.assert_array_equal(got, want)
-  assert float(bq.round_down_to_power_of_two(jnp.float32(0.0))) == 0.0
+  assert float(quantize_lib.round_down_to_power_of_two(jnp.float32(0.0))) == 0.0
 
 
 def test_e8m0_codes_decode_to_powers_of_two_and_nan():

@@ -29,7 +29,7 @@ def _train_error_status(tmp_path, capsys) -> int:
     (["cost", "--factory", "no_colon"], "--factory 'no_colon': expected MODULE:FUNCTION"),
     (["cost", "--factory", "fp8jax_no_such_module:make"],
      "cannot import 'fp8jax_no_such_module'"),
-    (["cost", "--factory", "fp8jax.formats:no_such_function"],
+    (["cost", "--factory", "fp8jax.core.formats:no_such_function"],
      "has no function 'no_such_function'"),
     (["inspect", "--factory", "fp8jax_no_such_module:make"],
      "cannot import 'fp8jax_no_such_module'"),

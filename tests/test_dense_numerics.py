@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.dot import dgrad_dimension_numbers, wgrad_dimension_numbers
+from fp8jax.ops.dot import dgrad_dimension_numbers, wgrad_dimension_numbers
 from fp8_reference import FORMAT_TABLE, quantize_reference
 
 

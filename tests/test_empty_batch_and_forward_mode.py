@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.forward_mode import ForwardModeError
+from fp8jax.ops.guards import ForwardModeError
 
 RECIPES = [fp8jax.DelayedScaling(), fp8jax.CurrentScaling()]
 

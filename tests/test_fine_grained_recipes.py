@@ -28,10 +28,10 @@ import pytest
 
 import fp8jax
 import fp8jax.checkpoint as ckpt
-from fp8jax import block_quantize as bq
+from fp8jax.core import blocks as bq
 from fp8jax import lowering
 from fp8jax.deviceless import deviceless_toolchain_missing
-from fp8jax.fine_grained_dot import emulated_block_gemm
+from fp8jax.core.blocks import emulated_block_gemm
 from fp8jax.flax import linen as fp8nn
 from fp8jax.lowering import GemmKind
 from fp8_reference import FORMAT_TABLE
@@ -333,9 +333,9 @@ def test_pallas_hopper_gemm_hands_the_kernel_its_layout(monkeypatch):
   # emulation's result: the same quantized operands, only the summation order differs
   # (f32 sums of 256 products: 2 * 256 * 2^-24 relative to sum |a||b|).
   import pallas_kernels
-  from fp8jax import fine_grained_dot
+  from fp8jax.core import blocks
   monkeypatch.setattr(pallas_kernels, "block_scaled_matmul", block_scaled_matmul_reference)
-  monkeypatch.setattr(fine_grained_dot.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(blocks.jax, "default_backend", lambda: "gpu")
   rng = np.random.default_rng(7)
   x = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)

@@ -12,7 +12,7 @@ import fp8jax
 from fp8jax.flax import linen as fp8nn
 from fp8jax.flax import nnx as fp8nnx
 from fp8jax.flax.train_state import TrainState
-from fp8jax.state_gradients import Fp8StateGradientError
+from fp8jax.ops.guards import Fp8StateGradientError
 
 
 class Mlp(nn.Module):

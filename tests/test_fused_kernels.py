@@ -1,7 +1,7 @@
 """fp8jax's fused GPU kernels compute what fp8jax's own jnp computes, bit for bit.
 
 On a GPU `fp8jax.fused_kernels` runs Pallas kernels where elsewhere it runs the
-jnp definitions of `fp8jax.quantize` and `fp8jax.scaling`. Here the kernels run
+jnp definitions of `fp8jax.quantize` and `fp8jax.step.close`. Here the kernels run
 in the Pallas interpreter (CPU) on the same inputs and must match fp8jax's jnp
 results exactly: every FP8 byte and every float32 bit. The module's policy (which
 programs get the kernels) and its fallbacks are checked too.
@@ -17,7 +17,7 @@ import pytest
 
 import fp8jax
 import pallas_kernels
-from fp8jax import fused_kernels
+from fp8jax.ops import fused_kernels
 
 
 def _bits(a):

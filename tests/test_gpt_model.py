@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import fp8jax
-from fp8jax import fused_attention
+from fp8jax.ops import attention as fused_attention
 from fp8jax.models import gpt
 
 # A small shape for the structural tests (rolled scan, head_dim 32); the training

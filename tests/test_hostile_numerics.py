@@ -34,8 +34,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import fp8jax
-from fp8jax.scaling import scale_for
-from fp8jax.scaling import record_amax
+from fp8jax.core.meta import record_amax, scale_for
 from fp8_reference import FORMAT_TABLE, quantize_reference, simulate_delayed_scaling
 
 # Fixed, small, derandomized: the file runs in well under a minute on 2 cores.

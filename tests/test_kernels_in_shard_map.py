@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from fp8jax import fused_kernels
+from fp8jax.ops import fused_kernels
 from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
 from pallas_kernels.varying import varying_axes
 

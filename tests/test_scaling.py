@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.scaling import quantize_with_meta
-from fp8jax.scaling import record_amax
+from fp8jax.core.meta import record_amax
+from fp8jax.ops.cast import quantize_with_meta
 from fp8_reference import simulate_delayed_scaling
 
 # Known amaxes per step, including 0, inf and NaN (which must leave the scale alone).

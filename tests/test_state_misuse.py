@@ -21,7 +21,7 @@ import pytest
 import fp8jax
 from fp8jax.flax import Fp8Model
 from fp8jax.flax.linen import Fp8Dense
-from fp8jax.meta_threading import UnthreadedStateError
+from fp8jax.ops.guards import UnthreadedStateError
 
 DELAYED = fp8jax.DelayedScaling()
 

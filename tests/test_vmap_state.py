@@ -2,7 +2,7 @@
 
 A model written for one example and vmapped over the batch threads one FP8
 state (`in_axes=None`). Each op reduces the per-example amaxes it records by a
-max over the vmapped axis (`fp8jax.amax.unbatched_like`), in the forward pass
+max over the vmapped axis (`fp8jax.core.quantize.unbatched_like`), in the forward pass
 and in the output gradient's cotangent, where JAX would otherwise *sum* the
 per-example cotangents of an unbatched input. Current scaling takes its scale
 from the whole batch's amax too. So the state after a step is bit for bit the

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import deviceless, weight_reuse
+from fp8jax import deviceless
+from fp8jax.ops import weight_reuse
 from fp8jax.lowering.cost import cost
 
 RECIPES = {"delayed": fp8jax.DelayedScaling(amax_history_len=4), "current": fp8jax.CurrentScaling()}

@@ -46,7 +46,7 @@ import sysconfig
 
 import numpy as np
 
-from fp8jax.validation import check_int
+from fp8jax.core.validation import check_int
 
 VOCAB_SIZE = 256
 SEPARATOR_TEMPLATE = "\n# ---- {path} ----\n"

@@ -40,14 +40,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8jax.einsum import parse_two_operand_subscripts
+from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
 from fp8jax.flax.dot_report import DotRecord, Fp8Report, nothing_converted_message
 from fp8jax.flax.nnx_dots import convert_dots, find_dots, routable
 from fp8jax.flax.rules import OP_KINDS, Fp8Rule, check_rules, decide
 from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
-from fp8jax.meta import init_dot_meta
-from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
+from fp8jax.core.meta import init_dot_meta
+from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
 
 
 def convert_to_fp8(model: nnx.Module, *,

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import opt_einsum
 
-from fp8jax.dot import fp8_dot_general
-from fp8jax.einsum import parse_two_operand_subscripts
+from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo
 from fp8jax.flax.op_routing import is_jax_function
-from fp8jax.meta import DotMeta
+from fp8jax.core.meta import DotMeta
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,10 +57,10 @@ from typing import Mapping
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.formats import E4M3, E5M2
-from fp8jax.meta import DotMeta, Fp8Meta, is_meta
-from fp8jax.recipes import DelayedScaling, is_flax_fp8_ops_recipe
-from fp8jax.scaling import scale_from_amax
+from fp8jax.core.formats import E4M3, E5M2
+from fp8jax.core.meta import DotMeta, Fp8Meta, is_meta
+from fp8jax.core.recipes import DelayedScaling, is_flax_fp8_ops_recipe
+from fp8jax.core.quantize import scale_from_amax
 
 FLAX_COLLECTION = "_overwrite_with_gradient"
 # fp8jax role -> Flax's variable-name prefix.

@@ -63,15 +63,15 @@ import jax.numpy as jnp
 import opt_einsum
 from flax import nnx
 
-from fp8jax.dense import fp8_dense
-from fp8jax.dot import fp8_dot_general
-from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
+from fp8jax.ops.dense import fp8_dense
+from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.flax.dot_report import Fp8Report, nothing_converted_message
 from fp8jax.flax.interception_session import Session
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
 from fp8jax.flax.op_routing import dot_calls_routed_to
 from fp8jax.flax.rules import Fp8Rule, check_rules
-from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
+from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
 
 
 @contextlib.contextmanager

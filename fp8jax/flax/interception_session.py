@@ -35,8 +35,8 @@ from fp8jax.flax.dot_report import DotRecord, Fp8Report
 from fp8jax.flax.layer_filter import LayerInfo, default_layer_filter
 from fp8jax.flax.linen import FP8_COLLECTION
 from fp8jax.flax.rules import OP_KINDS, decide
-from fp8jax.meta import init_dot_meta
-from fp8jax.state_gradients import detach_outside_step, guard_fp8_state
+from fp8jax.core.meta import init_dot_meta
+from fp8jax.ops.guards import detach_outside_step, guard_fp8_state
 
 
 @dataclasses.dataclass

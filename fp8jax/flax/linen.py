@@ -31,14 +31,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
-from fp8jax.dense import fp8_dense
-from fp8jax.dot import fp8_dot_general
-from fp8jax.einsum import fp8_einsum, parse_two_operand_subscripts
-from fp8jax.explicit_mesh import with_out_sharding
-from fp8jax.meta import DotMeta, init_dot_meta
-from fp8jax.recipes import DelayedScaling, Recipe
-from fp8jax.state_gradients import detach_outside_step, guard_fp8_state
+from fp8jax.ops.attention import attention, fp8_attention
+from fp8jax.ops.dense import fp8_dense
+from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
+from fp8jax.mesh.explicit import with_out_sharding
+from fp8jax.core.meta import DotMeta, init_attention_meta, init_dot_meta
+from fp8jax.core.recipes import DelayedScaling, Recipe
+from fp8jax.ops.guards import detach_outside_step, guard_fp8_state
 
 FP8_COLLECTION = "fp8_meta"
 
@@ -81,7 +81,7 @@ def read_meta(module: nn.Module, variable):
   Differentiating it outside fp8jax's steps (e.g. `jax.grad` over the whole
   `variables` dict for a Flax `TrainState`) raises an error that says what to
   do instead, rather than let an optimizer train FP8 state (see
-  `fp8jax.state_gradients`).
+  `fp8jax.ops.guards`).
   """
   where = f"'{FP8_COLLECTION}/{'/'.join(module.scope.path)}/{variable.name}'"
   return guard_fp8_state(variable.value, where)
@@ -251,7 +251,7 @@ class Fp8MultiHeadAttention(nn.Module):
     causal: causal masking.
     fp8_attention: run q, k, v and P in FP8 inside the kernel.
     recipe: the FP8 recipe for all projections and the attention.
-    backend: force an attention backend (see `fp8jax.attention_backend`).
+    backend: force an attention backend (see `fp8jax.ops.attention_backend`).
   """
 
   num_heads: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from fp8jax.einsum import parse_two_operand_subscripts
+from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax import linen as fp8nn
 from fp8jax.telemetry import TELEMETRY_COLLECTION, dot_stats
 

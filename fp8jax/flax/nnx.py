@@ -20,7 +20,7 @@ leaves every `Fp8MetaVariable` as it is; put the step's next FP8 state in with
 does all of this and updates the model in place, as `nnx.value_and_grad` does.
 Differentiating the FP8 state itself (e.g.
 `nnx.grad(..., argnums=nnx.DiffState(0, nnx.Variable))`) raises
-`fp8jax.Fp8StateGradientError` (see `fp8jax.state_gradients`).
+`fp8jax.Fp8StateGradientError` (see `fp8jax.ops.guards`).
 
 Calling a layer records that call's amaxes in its `Fp8MetaVariable`, like
 `nnx.BatchNorm` collects batch statistics. `model.eval()` sets
@@ -37,14 +37,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8jax.fused_attention import attention, fp8_attention, init_attention_meta
-from fp8jax.dense import fp8_dense
-from fp8jax.dot import fp8_dot_general
-from fp8jax.einsum import fp8_einsum
-from fp8jax.explicit_mesh import with_out_sharding
-from fp8jax.meta import init_dot_meta
-from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
-from fp8jax.state_gradients import NNX_FIX, detach_outside_step, guard_fp8_state
+from fp8jax.ops.attention import attention, fp8_attention
+from fp8jax.ops.dense import fp8_dense
+from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.einsum import fp8_einsum
+from fp8jax.mesh.explicit import with_out_sharding
+from fp8jax.core.meta import init_attention_meta, init_dot_meta
+from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
+from fp8jax.ops.guards import NNX_FIX, detach_outside_step, guard_fp8_state
 
 
 class Fp8MetaVariable(nnx.Variable):
@@ -64,7 +64,7 @@ def _set(variable: nnx.Variable, value) -> None:
 
 def _read(variable: nnx.Variable, where: str):
   """The layer's FP8 state; differentiating it outside fp8jax's steps raises (see
-  `fp8jax.state_gradients`)."""
+  `fp8jax.ops.guards`)."""
   return guard_fp8_state(_get(variable), where, fix=NNX_FIX)
 
 

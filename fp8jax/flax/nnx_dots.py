@@ -29,8 +29,8 @@ from flax import nnx
 from fp8jax.flax.dot_calls import DotCall, fp8_dot_call, read_dot_call
 from fp8jax.flax.nnx import Fp8MetaVariable
 from fp8jax.flax.op_routing import dot_calls_routed_to
-from fp8jax.meta import DotMeta
-from fp8jax.state_gradients import NNX_FIX, detach_outside_step, guard_fp8_state
+from fp8jax.core.meta import DotMeta
+from fp8jax.ops.guards import NNX_FIX, detach_outside_step, guard_fp8_state
 
 STATES_ATTRIBUTE = "fp8_dot_states"
 

@@ -26,7 +26,7 @@ from typing import Callable
 from flax import nnx
 
 from fp8jax.flax.nnx import Fp8MetaVariable
-from fp8jax.training import value_and_grad as fp8_value_and_grad
+from fp8jax.step.training import value_and_grad as fp8_value_and_grad
 
 
 def nnx_value_and_grad(loss_fn: Callable, *, has_aux: bool = False, wrt=nnx.Param,

@@ -27,7 +27,7 @@ from typing import Callable
 from fp8jax.flax.layer_filter import (BREAK_EVEN_SIZE, DIM_MULTIPLE, LayerInfo, chosen,
                                       default_layer_filter)
 from fp8jax.flax.dot_report import OP_KINDS
-from fp8jax.recipes import DelayedScaling, Recipe, check_recipe
+from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
 
 # The kinds of the dots a module calls itself (the kinds of dense layers are their class names).
 

@@ -32,7 +32,7 @@ from flax import struct
 from flax.training import train_state
 
 from fp8jax.flax.linen import FP8_COLLECTION
-from fp8jax.meta import check_fp8_state
+from fp8jax.core.meta import check_fp8_state
 
 
 class TrainState(train_state.TrainState):

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from fp8jax.lowering.cost import compare, cost
 from fp8jax.lowering.example import bf16_mlp_loss, mlp_loss
-from fp8jax.meta import init_dot_meta
-from fp8jax.recipes import DelayedScaling
-from fp8jax.training import value_and_grad
+from fp8jax.core.meta import init_dot_meta
+from fp8jax.core.recipes import DelayedScaling
+from fp8jax.step.training import value_and_grad
 
 # cuBLASLt's FP8 GEMM wants dims in multiples of 16; the search steps by it.
 DIM_MULTIPLE = 16

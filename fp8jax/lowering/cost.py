@@ -37,8 +37,10 @@ import numbers
 import re
 from typing import Callable, Mapping, Sequence
 
-from fp8jax.lowering.hlo_text import ArrayShape, Computation, HloModule, Instruction, parse_hlo_module
+from fp8jax.lowering.compile import compile_text
 from fp8jax.lowering.gemms import dot_inside
+from fp8jax.lowering.hlo_text import ArrayShape, Computation, HloModule, Instruction, parse_hlo_module
+from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
 from fp8jax.lowering.report import is_fp8
 
 # Ops that launch nothing: buffers, views and bookkeeping.
@@ -301,8 +303,6 @@ def cost(fn: Callable, *args, compiler_options: Mapping | None = None, target: s
   Returns:
     A `CostReport`.
   """
-  from fp8jax.lowering.compile import compile_text
-  from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
 
   _check_constants(constants)  # before a compile that takes seconds
   options = dict(CUBLAS_ONLY_OPTIONS if compiler_options is None else compiler_options)

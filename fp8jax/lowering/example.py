@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fp8jax
+from fp8jax.core.meta import init_dot_meta
+from fp8jax.core.recipes import DelayedScaling
+from fp8jax.ops.dense import fp8_dense
+from fp8jax.step.training import value_and_grad
 
 PRECISIONS = ("fp8", "bf16")
 
@@ -49,7 +52,7 @@ def mlp_loss(params, fp8_state, batch):
   Returns:
     (loss float32[], new fp8_state).
   """
-  return _mlp(params, fp8_state, batch, fp8jax.fp8_dense)
+  return _mlp(params, fp8_state, batch, fp8_dense)
 
 
 def _bf16_dense(x, kernel, bias, meta):
@@ -91,7 +94,7 @@ def make_train_step(optimizer: optax.GradientTransformation, precision: str = "f
     return optax.apply_updates(params, updates), opt_state
 
   if precision == "fp8":
-    grad_fn = fp8jax.value_and_grad(mlp_loss)
+    grad_fn = value_and_grad(mlp_loss)
 
     def fp8_train_step(params, opt_state, fp8_state, batch):
       loss, grads, fp8_state = grad_fn(params, fp8_state, batch)
@@ -137,7 +140,7 @@ def example_train_step(widths: Sequence[int] = (512, 1024, 1024, 512), batch_siz
   if precision == "bf16" and recipe is not None:
     raise ValueError(f"recipe={recipe!r} applies to precision='fp8' only; the bf16 twin has "
                      "no FP8 state. Drop the recipe or pass precision='fp8'.")
-  recipe = recipe if recipe is not None else fp8jax.DelayedScaling()
+  recipe = recipe if recipe is not None else DelayedScaling()
   optimizer = optax.adam(1e-3)
 
   def init():
@@ -145,7 +148,7 @@ def example_train_step(widths: Sequence[int] = (512, 1024, 1024, 512), batch_siz
     params = [{"kernel": jax.random.normal(k, (n_in, n_out), jnp.float32) / n_in**0.5,
                "bias": jnp.zeros((n_out,), jnp.float32)}
               for k, n_in, n_out in zip(keys, widths[:-1], widths[1:])]
-    fp8_state = [fp8jax.init_dot_meta(recipe) for _ in params] if precision == "fp8" else []
+    fp8_state = [init_dot_meta(recipe) for _ in params] if precision == "fp8" else []
     batch = {"x": jnp.zeros((batch_size, seq_len, widths[0]), jnp.bfloat16),
              "y": jnp.zeros((batch_size, seq_len, widths[-1]), jnp.bfloat16)}
     return params, optimizer.init(params), fp8_state, batch

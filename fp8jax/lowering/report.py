@@ -144,7 +144,7 @@ class Gemm:
 
   @property
   def role(self) -> str:
-    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs (named scopes in fp8jax.dot), else
+    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs (named scopes in fp8jax.ops.dot), else
     'forward' / 'backward' from JAX's own naming."""
     for role in ("fprop", "dgrad", "wgrad"):
       if f"fp8_{role}" in self.op_name:

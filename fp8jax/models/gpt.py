@@ -72,12 +72,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp8jax.attention_backend import BACKENDS
-from fp8jax.einsum import fp8_einsum
+from fp8jax.core.meta import init_attention_meta
+from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
-from fp8jax.fused_attention import attention, choose_backend, fp8_attention, init_attention_meta
-from fp8jax.recipes import Recipe, check_recipe
+from fp8jax.ops.attention import attention, choose_backend, fp8_attention
+from fp8jax.ops.attention_backend import BACKENDS
+from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.telemetry import TELEMETRY_COLLECTION
 
 ACTIVATION_DTYPE = jnp.bfloat16
@@ -111,7 +112,7 @@ class GptConfig:
     fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`);
       False keeps it in bf16 (`fp8jax.attention`) beside the FP8 projections.
     attention_backend: force an attention backend ("pallas", "xla", ...; see
-      `fp8jax.attention_backend`); None lets fp8jax choose for the platform.
+      `fp8jax.ops.attention_backend`); None lets fp8jax choose for the platform.
   """
 
   d_model: int
@@ -194,7 +195,7 @@ def attention_backend(config: GptConfig, recipe: Recipe | None, batch_size: int,
   It is the selection fp8jax's attention makes for the model's q, k, v (same
   static key: platform, bf16, head_dim, causal mask, recipe type), so it names
   what the model's jitted step really uses: "xla" on a CPU; on a GPU "pallas"
-  (or "pallas_hopper_fp8" / "cudnn") as `fp8jax.attention_backend` explains.
+  (or "pallas_hopper_fp8" / "cudnn") as `fp8jax.ops.attention_backend` explains.
   """
   fp8 = recipe is not None and config.fp8_attention
   qkv = jax.ShapeDtypeStruct((batch_size, seq_len, config.n_heads, config.head_dim),

@@ -61,7 +61,7 @@ def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
   train_step, _ = compiled_steps(config)
   iterator = range(steps)
   if progress and importlib.util.find_spec("tqdm") is not None:
-    from tqdm import tqdm
+    from tqdm import tqdm  # optional (the 'examples' extra): only for a progress bar
     iterator = tqdm(iterator, desc="calibrate", unit="step")
   for i in iterator:
     batch = jnp.asarray(corpus_lib.train_batch(corpus.train, step + 1 + i, config.batch,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import fp8jax
+from fp8jax.core.recipes import import_recipe_class
+from fp8jax.models import gpt
 
 RECIPES = {
     "bf16": None,
@@ -68,7 +70,6 @@ def base_recipe(name: str, flag: str = "--recipe "):
       raise RunError(f"{flag}{name!r} is not one of {sorted(RECIPES)}, nor a recipe of "
                      "your own named module:Class.")
     return RECIPES[name]
-  from fp8jax.recipes import import_recipe_class
   try:
     return import_recipe_class(name)()
   except (ValueError, TypeError) as error:
@@ -121,7 +122,6 @@ class RunConfig:
 
   def __post_init__(self):
     self.recipe_object  # builds the recipe: RunError for options it does not take
-    from fp8jax.models import gpt  # the model module imports Flax; keep this module light
     if self.size not in gpt.SIZES:
       raise RunError(f"--size {self.size!r} is not one of {list(gpt.SIZES)}.")
     for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "checkpoint_every",

@@ -15,7 +15,7 @@ from fp8jax.runs import metrics
 
 def _pyplot():
   try:
-    import matplotlib
+    import matplotlib  # optional (the 'examples' extra): plots are skipped without it
   except ImportError:
     return None
   if "matplotlib.pyplot" not in sys.modules:

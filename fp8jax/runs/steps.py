@@ -10,6 +10,8 @@ import optax
 
 import fp8jax
 from fp8jax import telemetry
+from fp8jax.flax.linen_telemetry import linen_tensor_stats
+from fp8jax.models import gpt
 from fp8jax.runs.config import RunConfig, RunError
 
 
@@ -58,7 +60,6 @@ def _key(config: RunConfig) -> tuple:
 
 @functools.lru_cache(maxsize=8)
 def _build(recipe, size, seq, lr, warmup_steps, weight_decay, schedule_length):
-  from fp8jax.models import gpt
   model = gpt.Gpt(gpt.config_for(size, seq_len=seq), recipe=recipe)
   warmup = max(warmup_steps, 1)
   schedule = optax.warmup_cosine_decay_schedule(
@@ -129,8 +130,6 @@ def _eval_step(model, fp8: bool):
 
 
 def _telemetry_step(model):
-  from fp8jax.flax.linen_telemetry import linen_tensor_stats
-
   @jax.jit
   def telemetry_step(params, fp8_state, tokens):
     # The interceptor acts while JAX traces, so it must be entered inside the jitted function.

@@ -49,6 +49,11 @@ import json
 import pathlib
 import statistics
 
+import jax
+
+from fp8jax.core.recipes import recipe_kind
+from fp8jax.deviceless import deviceless_toolchain_missing
+from fp8jax.lowering.break_even import predicted_speedup
 from fp8jax.runs import checkpoints, metrics, plots
 from fp8jax.runs.config import RunConfig, RunError
 from fp8jax.runs.grid import GridPoint, grid_points
@@ -197,7 +202,7 @@ def _recipe_fields(config: RunConfig) -> dict:
   recipe = config.recipe_object
   if recipe is None:
     return {"kind": "bf16"}
-  from fp8jax.recipes import recipe_kind  # "DelayedScaling", or "module:Class"
+  # "DelayedScaling", or "module:Class"
   return {"kind": recipe_kind(type(recipe)), **dataclasses.asdict(recipe)}
 
 
@@ -213,7 +218,6 @@ def _predictions(configs: dict, predict: bool, size: int) -> dict:
       found[name] = (None, missing)
     else:
       if recipe not in by_recipe:
-        from fp8jax.lowering.break_even import predicted_speedup
         by_recipe[recipe] = predicted_speedup(size, size, size, recipe=recipe, target="auto")
       found[name] = (by_recipe[recipe], None)
   return found
@@ -221,10 +225,6 @@ def _predictions(configs: dict, predict: bool, size: int) -> dict:
 
 def _toolchain_missing() -> str | None:
   """Why the cost model cannot compile for an H100 here (None: it can)."""
-  import jax
-
-  from fp8jax.deviceless import deviceless_toolchain_missing
-
   if jax.default_backend() == "gpu":
     return None
   missing = deviceless_toolchain_missing()
@@ -234,5 +234,5 @@ def _toolchain_missing() -> str | None:
 def _bar(progress: bool, total: int):
   if not progress:
     return None
-  from tqdm import tqdm
+  from tqdm import tqdm  # optional (the 'examples' extra): only for a progress bar
   return tqdm(total=total, desc="sweep", unit="run", position=0, dynamic_ncols=True)

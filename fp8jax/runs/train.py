@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax.data import corpus as corpus_lib
+from fp8jax.models import gpt
 from fp8jax.runs import checkpoints, metrics
 from fp8jax.runs.config import RunConfig, RunError
 from fp8jax.runs.steps import build, compiled_steps, init_state, state_stats, telemetry_step
@@ -193,7 +194,6 @@ def _stop_on_ctrl_c():
 
 def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
           stop_requested, telemetry_every) -> RunResult:
-  from fp8jax.models import gpt
   params, opt_state, fp8_state = state
   model, _, schedule = build(config)
   train_step, eval_step = compiled_steps(config)
@@ -265,14 +265,13 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
 def _progress(enabled: bool | str, config: RunConfig, start: int):
   if not enabled:
     return None
-  from tqdm import tqdm
+  from tqdm import tqdm  # optional (the 'examples' extra): only for a progress bar
   label = enabled if isinstance(enabled, str) else f"{config.recipe:>7}"
   return tqdm(total=config.steps, initial=start, desc=label, unit="step",
               dynamic_ncols=True)
 
 
 def _write_summary(result: RunResult, corpus) -> None:
-  from fp8jax.models import gpt
   model_config = gpt.config_for(result.config.size, seq_len=result.config.seq)
   summary = {"config": result.config.to_dict(), "corpus": corpus.description,
              "model": {**dataclasses.asdict(model_config),

@@ -14,7 +14,7 @@ separate trees, so an optimizer only ever sees parameter gradients.
 
 On a device mesh: under plain `jax.jit` with sharded arrays nothing changes.
 Inside `jax.shard_map` the in-step state is reduced by max over the devices
-before the step closes (see `fp8jax.sharding`); with `check_vma=False` or
+before the step closes (see `fp8jax.step.all_reduce`); with `check_vma=False` or
 `pmap`, say over which axes with `axis_name` (a step traced per device without
 it warns: its state would keep one device's amaxes).
 """
@@ -27,13 +27,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fp8jax import weight_reuse
-from fp8jax.meta import check_fp8_state, is_meta
-from fp8jax.scaling import begin_step, close_step, end_step, merge_step
-from fp8jax.meta_threading import checking_threading
-from fp8jax.state_gradients import differentiating_fp8_state
-from fp8jax.shard_map_warnings import warn_if_amaxes_stay_local
-from fp8jax.sharding import AxisName, all_reduce_amax, normalize_axis_name, vary_like, varying_axes
+from fp8jax.core.meta import check_fp8_state, is_meta
+from fp8jax.mesh.axes import AxisName, normalize_axis_name, vary_like, varying_axes
+from fp8jax.ops import weight_reuse
+from fp8jax.ops.guards import checking_threading, differentiating_fp8_state
+from fp8jax.step.all_reduce import all_reduce_amax, warn_if_amaxes_stay_local
+from fp8jax.step.close import begin_step, close_step, end_step, merge_step
 
 
 def value_and_grad(loss_fn: Callable, has_aux: bool = False,
@@ -100,7 +99,7 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
   All microbatches use the step's scales; every role's recorded amax is the max
   over all microbatches (not a sum, not the last one), and the history advances
   by one entry. Each FP8 kernel (weight) is quantized once for the whole step
-  and its FP8 copies serve every microbatch (`fp8jax.weight_reuse`). Meant to
+  and its FP8 copies serve every microbatch (`fp8jax.ops.weight_reuse`). Meant to
   run under `jax.jit`: the loss is traced once more outside the microbatch loop
   to quantize the kernels, and only `jit` compiles away the rest of that trace
   (called eagerly, it runs a forward pass more, and callbacks in the loss run
@@ -135,7 +134,7 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
         f"got leading sizes {sorted(sizes)}.")
   n = sizes.pop()
 
-  # Each FP8 kernel is quantized once, here, for every microbatch (fp8jax.weight_reuse);
+  # Each FP8 kernel is quantized once, here, for every microbatch (fp8jax.ops.weight_reuse);
   # the rest of this forward pass is unused and compiled away under jit.
   state = _open(fp8_state, (params, microbatches))
   with weight_reuse.collecting() as kernels:
@@ -201,7 +200,7 @@ def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
   """
 
   def split_loss(p, s):
-    with checking_threading():  # one op per state: see fp8jax.meta_threading
+    with checking_threading():  # one op per state: see fp8jax.ops.guards
       if reuse is None:
         returned = loss_fn(p, s, *args)
       else:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8jax.dot import fp8_dot_general
-from fp8jax.meta import DotMeta
+from fp8jax.core.meta import DotMeta
+from fp8jax.ops.dot import fp8_dot_general
 
 
 def fp8_einsum(subscripts: str, x: jax.Array, kernel: jax.Array,

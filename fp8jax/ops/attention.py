@@ -31,7 +31,8 @@ agree up to float32 summation order (on a GPU also up to the kernel's
 approximate exp2, which can move a probability across an E4M3 rounding edge).
 
 The backend is chosen once per static configuration by
-`fp8jax.attention_backend.select_backend`; off the fast path it warns once.
+`fp8jax.ops.attention_backend.select_backend`; off the fast path it warns once.
+The FP8 state is `fp8jax.core.meta.AttentionMeta`.
 """
 from __future__ import annotations
 
@@ -42,48 +43,19 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from fp8jax.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, make_key,
-                                      select_backend)
-from fp8jax.forward_mode import reverse_mode_only
-from fp8jax.meta import Fp8Meta, check_role_meta, init_meta
-from fp8jax.meta_threading import check_threaded
-from fp8jax.amax import amax
-from fp8jax.attention_partitioning import shard_local_attention
-from fp8jax.explicit_mesh import is_explicitly_sharded
-from fp8jax.fused_kernels import inside_shard_map
-from fp8jax.kernel_partitioning import vmapped_as
-from fp8jax.recipes import Recipe, check_recipe
-from fp8jax.scaling import amaxes_unbatched_like, quantize_with_meta, record_amax
-from fp8jax.validation import check_floating
 import pallas_kernels
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionMeta:
-  """FP8 state of one attention: inputs q, k, v, output o, and output gradient `grad`."""
-
-  q: Fp8Meta
-  k: Fp8Meta
-  v: Fp8Meta
-  o: Fp8Meta
-  grad: Fp8Meta
-
-  @property
-  def recipe(self) -> Recipe:
-    return self.q.recipe
-
-
-jax.tree_util.register_dataclass(
-    AttentionMeta, data_fields=["q", "k", "v", "o", "grad"], meta_fields=[])
-
-_FORWARD_ROLES = ("q", "k", "v", "o")
-
-
-def init_attention_meta(recipe: Recipe) -> AttentionMeta:
-  """Fresh `AttentionMeta`: q, k, v, o in the recipe's forward format, grad in its gradient format."""
-  check_recipe(recipe)
-  forward = {role: init_meta(recipe, recipe.forward_format) for role in _FORWARD_ROLES}
-  return AttentionMeta(**forward, grad=init_meta(recipe, recipe.gradient_format))
+from fp8jax.core.meta import (AttentionMeta, amaxes_unbatched_like, check_attention_meta,
+                              record_amax)
+from fp8jax.core.quantize import amax
+from fp8jax.core.recipes import Recipe
+from fp8jax.core.validation import check_floating
+from fp8jax.mesh.axes import inside_shard_map
+from fp8jax.mesh.explicit import is_explicitly_sharded
+from fp8jax.mesh.partitioning import shard_local_attention, vmapped_as
+from fp8jax.ops.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, make_key,
+                                          select_backend)
+from fp8jax.ops.cast import quantize_with_meta
+from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +175,7 @@ def _bf16_attention(backend, q, k, v, causal, q_segment_ids, kv_segment_ids, sm_
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _fused_bf16_attention(q, k, v, q_seg, kv_seg, call):
   """A fused 16-bit kernel pair, each pass run on every device's batch rows and heads
-  (`fp8jax.attention_partitioning`), as the FP8 kernels are: XLA would otherwise gather
+  (`fp8jax.mesh.partitioning`), as the FP8 kernels are: XLA would otherwise gather
   q, k and v whole to every device."""
   return _fused_bf16_attention_fwd(q, k, v, q_seg, kv_seg, call)[0]
 
@@ -300,11 +272,8 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
     accuracy); new_meta with this call's amaxes of q, k, v and o recorded.
   """
   _check_qkv(q, k, v, q_segment_ids, kv_segment_ids)
-  if not isinstance(meta, AttentionMeta):
-    raise TypeError(f"meta must be a fp8jax.AttentionMeta (make one with "
-                    f"fp8jax.init_attention_meta(recipe)), got {type(meta).__name__}.")
-  for role in _FORWARD_ROLES + ("grad",):
-    check_role_meta(getattr(meta, role), f"meta.{role}")
+  refuse_split_state(meta, "meta")
+  check_attention_meta(meta, "meta")
   check_threaded(meta, "fp8_attention", init="fp8jax.init_attention_meta")
   choice = choose_backend(q, k, fp8=True, causal=causal,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
@@ -395,7 +364,7 @@ def _fused_fp8_backward(backend, q8, k8, v8, descales, out, lse, g, q_seg, kv_se
 
 
 def _per_shard(kernel, operands, outputs):
-  """`kernel` partitioned over batch rows and heads (`fp8jax.attention_partitioning`);
+  """`kernel` partitioned over batch rows and heads (`fp8jax.mesh.partitioning`);
   as it is inside `shard_map`, whose code is per device already."""
   if inside_shard_map():
     return kernel

@@ -1,11 +1,12 @@
-"""FP8 quantization with one scale per row, per 1 x B tile, per B x B block, or per MX block.
+"""Per-row and per-block FP8: quantization with one scale per row, per 1 x B tile, per
+B x B block or per MX block, and the GEMMs of such operands.
 
 A 2-D array `x [R, C]` (any leading batch dims are carried along) is cut into
 blocks of `block = (br, bc)` elements over its last two axes; the last block
 along an axis may be partial and gets its own scale from its own elements.
 Per block b with `amax_b = max |x|` over the block:
 
-    float32 scales:  scale_b = fmt.max / amax_b             (float32 division, as
+    float32 scales:  scale_b = fmt.max / amax_b             (float32 division:
                                                               fp8jax.scale_from_amax)
                      power_of_two: scale_b rounded down to a power of two
                      (amax_b 0, inf or NaN, or a scale that is not a finite
@@ -27,22 +28,36 @@ amax is 0 has floor(log2 0) = -inf, clamped to the smallest E8M0 value, 2**-127
 (the convention of the OCP reference code); its elements are all 0. A block
 holding a NaN or an infinity gets the E8M0 NaN (code 255): every element of it
 dequantizes to NaN.
+
+GEMMs of `A [..., P, C] @ B [..., C, Q]` quantized along C (`Recipe.operand_gemm`):
+
+* `rowwise_gemm`: a raw FP8 dot accumulated in float32, then the outer product of
+  the two descale vectors applied to the product (an epilogue):
+  `out[p, q] = (q(A) @ q(B))[p, q] * a_inv[p] * b_inv[q]`. The scales never touch
+  the operands before the dot, so on Hopper the dot stays the cuBLASLt FP8 GEMM (a
+  scale that varies along the contraction cannot be folded into it).
+* `emulated_block_gemm`: both operands dequantized per block to float32 and
+  multiplied at HIGHEST precision (float32 accumulation): exact, every platform.
+* `pallas_block_gemm`: A in 1 x 128 tiles, B in 128 x 128 blocks on the
+  block-scaled Mosaic GPU kernel of `pallas_kernels.block_scaled_matmul` (a GPU).
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
 
-from fp8jax.formats import E4M3, E5M2, Fp8Format
-from fp8jax.validation import check_floating, check_format
+import pallas_kernels
+from fp8jax.core.formats import E4M3, E5M2, Fp8Format
+from fp8jax.core.quantize import floor_log2, max_by_bits, saturate_cast, scale_from_amax
+from fp8jax.core.validation import check_floating, check_format
 
 # Exponent of the largest normal of each element format (OCP MX v1.0, table 1).
 MX_EMAX = {E4M3.name: 8, E5M2.name: 15}
 MX_BLOCK = 32
 E8M0_NAN = 255
-_EXPONENT_BITS = 0x7F800000  # the exponent field of a float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,39 +87,21 @@ jax.tree_util.register_dataclass(BlockQuantized, data_fields=["q", "scale_inv"],
 def block_amax(x: jax.Array, block: tuple[int, int]) -> jax.Array:
   """float32 [..., ceil(R / br), ceil(C / bc)]: the absolute maximum of each block of `x`.
 
-  Exact, and NaN wins (an int32 max over the float32 bit patterns of |x|, as
-  `fp8jax.amax`). A partial last block is padded with zeros, which change no max.
+  Exact, and NaN wins (`fp8jax.core.quantize.max_by_bits`, as `fp8jax.amax`). A
+  partial last block is padded with zeros, which change no max.
   """
   br, bc = _check_block(block, x)
   rows, cols = x.shape[-2:]
   n_r, n_c = -(-rows // br), -(-cols // bc)
-  bits = jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32)
   pad = [(0, 0)] * (x.ndim - 2) + [(0, n_r * br - rows), (0, n_c * bc - cols)]
-  bits = jnp.pad(bits, pad).reshape(*x.shape[:-2], n_r, br, n_c, bc)
-  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=(-3, -1)), jnp.float32)
+  magnitudes = jnp.pad(jnp.abs(x.astype(jnp.float32)), pad)
+  return max_by_bits(magnitudes.reshape(*x.shape[:-2], n_r, br, n_c, bc), axis=(-3, -1))
 
 
-def round_down_to_power_of_two(value: jax.Array) -> jax.Array:
-  """The largest power of two <= `value`, for finite float32 `value` > 0 (0 stays 0).
-
-  A normal float32 keeps its exponent field and loses its mantissa bits; a
-  subnormal one keeps only its highest set bit.
-  """
-  bits = jax.lax.bitcast_convert_type(jnp.asarray(value, jnp.float32), jnp.int32)
-  normal = bits & _EXPONENT_BITS
-  top_bit = jnp.left_shift(jnp.int32(1), jnp.maximum(31 - jax.lax.clz(bits), 0))
-  subnormal = jnp.where(bits > 0, top_bit, 0)
-  return jax.lax.bitcast_convert_type(jnp.where(normal > 0, normal, subnormal), jnp.float32)
-
-
-def scales_from_amax(amax: jax.Array, fmt: Fp8Format, power_of_two: bool = False) -> jax.Array:
-  """float32 `fmt.max / amax` per entry (rounded down to a power of two if asked); 1 where
+def block_scales(amax: jax.Array, fmt: Fp8Format, power_of_two: bool = False) -> jax.Array:
+  """float32 `fmt.max / amax` per block (rounded down to a power of two if asked); 1 where
   `amax` is 0, inf or NaN or the quotient is not a finite positive number."""
-  scale = jnp.float32(fmt.max) / jnp.asarray(amax, jnp.float32)
-  if power_of_two:
-    scale = round_down_to_power_of_two(scale)
-  usable = jnp.isfinite(scale) & (scale > 0)
-  return jnp.where(usable, scale, jnp.float32(1.0))
+  return scale_from_amax(amax, fmt, 0, fallback=jnp.float32(1.0), power_of_two=power_of_two)
 
 
 def expand_blocks(values: jax.Array, block: tuple[int, int], shape) -> jax.Array:
@@ -118,9 +115,7 @@ def expand_blocks(values: jax.Array, block: tuple[int, int], shape) -> jax.Array
 def quantize_with_block_scales(x: jax.Array, scale: jax.Array, block: tuple[int, int],
                                fmt: Fp8Format) -> BlockQuantized:
   """`saturate(x * scale_b)` in `fmt` per block, with `scale_inv = 1 / scale` (float32)."""
-  per_element = expand_blocks(scale, block, x.shape)
-  scaled = x.astype(jnp.float32) * per_element
-  q = jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
+  q = saturate_cast(x, expand_blocks(scale, block, x.shape), fmt)
   return BlockQuantized(q, 1.0 / scale, tuple(block))
 
 
@@ -139,7 +134,7 @@ def quantize_blocks(x: jax.Array, fmt: Fp8Format, block: tuple[int, int],
   """
   check_floating(x, "x")
   check_format(fmt, "fmt")
-  scale = scales_from_amax(block_amax(x, block), fmt, power_of_two)
+  scale = block_scales(block_amax(x, block), fmt, power_of_two)
   return quantize_with_block_scales(x, scale, block, fmt)
 
 
@@ -160,9 +155,7 @@ def mx_shared_exponents(amax: jax.Array, fmt: Fp8Format) -> jax.Array:
   """
   check_format(fmt, "fmt")
   amax = jnp.asarray(amax, jnp.float32)
-  bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
-  floor_log2 = ((bits & _EXPONENT_BITS) >> 23) - 127
-  shared = jnp.clip(floor_log2 - MX_EMAX[fmt.name], -127, 127)
+  shared = jnp.clip(floor_log2(amax) - MX_EMAX[fmt.name], -127, 127)
   codes = jnp.where(jnp.isfinite(amax), shared + 127, E8M0_NAN)
   return codes.astype(jnp.uint8)
 
@@ -218,3 +211,55 @@ def _check_block(block, x) -> tuple[int, int]:
     raise ValueError(f"x has shape {jnp.shape(x)}; block quantization needs at least 2 dims "
                      "[..., R, C]. Reshape a vector to [1, C].")
   return int(block[0]), int(block[1])
+
+
+# ----- GEMMs of block-quantized operands ---------------------------------------------------
+
+
+def batched_dims(ndim: int):
+  """dot_general dims of `[..., P, C] @ [..., C, Q]` with the leading dims as batch."""
+  batch = tuple(range(ndim - 2))
+  return (((ndim - 1,), (ndim - 2,)), (batch, batch))
+
+
+def rowwise_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
+  """`(q(A) @ q(B)) * a_inv[:, None] * b_inv[None, :]` in `out_dtype`.
+
+  a: q [..., P, C] with scale_inv [..., P, 1]; b: q [..., C, Q] with scale_inv
+  [..., 1, Q]. The raw FP8 dot accumulates in float32; the descales multiply
+  its float32 product, which is then rounded once to `out_dtype`.
+  """
+  product = jax.lax.dot_general(a.q, b.q, batched_dims(a.q.ndim),
+                                preferred_element_type=jnp.float32)
+  return (product * a.scale_inv * b.scale_inv).astype(out_dtype)
+
+
+def emulated_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
+  """`dequantize(A) @ dequantize(B)` in float32 at HIGHEST precision, rounded to `out_dtype`."""
+  return jax.lax.dot_general(dequantize_blocks(a), dequantize_blocks(b),
+                             batched_dims(a.q.ndim), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def pallas_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
+  """The block-scaled Mosaic GPU kernel on A [P, C] (1 x 128 tiles) and B [C, Q] (128 x 128)."""
+  if jax.default_backend() != "gpu":
+    raise ValueError(
+        "BlockScaling(gemm='pallas_hopper') runs the block-scaled FP8 GEMM kernel, which needs "
+        f"a GPU, but JAX's backend is {jax.default_backend()!r}. Use "
+        "BlockScaling(gemm='emulated') (the default) on this platform.")
+  if a.q.ndim != 2:
+    raise ValueError(
+        f"BlockScaling(gemm='pallas_hopper') runs 2-D GEMMs only; this dot_general has batch "
+        f"dims (operand shape {a.q.shape}). Use gemm='emulated' for batched contractions.")
+  if not pallas_kernels.BLOCK_SCALED_GEMM_VALIDATED_ON_GPU:
+    warnings.warn(
+        "BlockScaling(gemm='pallas_hopper'): the block-scaled GEMM kernel has not yet been "
+        "validated against its reference on a GPU (pallas_kernels.block_scaled_matmul."
+        "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU is False).", stacklevel=2)
+  try:
+    return pallas_kernels.block_scaled_matmul(a.q, a.scale_inv, b.q.T, b.scale_inv.T,
+                                              out_dtype=out_dtype)
+  except (ValueError, TypeError) as error:  # shapes or dtypes the kernel does not take
+    raise type(error)(f"BlockScaling(gemm='pallas_hopper'): {error} Or use "
+                      "gemm='emulated', which takes any shape.") from error

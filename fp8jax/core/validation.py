@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp8jax.formats import Fp8Format
+from fp8jax.core.formats import Fp8Format
 
 
 def check_floating(x, argname: str) -> None:

@@ -14,7 +14,7 @@ What this compiles to on Hopper (the lean path, see `fp8jax.lowering.cost`):
 when the dot is a plain matrix product once reshaped (`fp8_dense`, the
 projections of `fp8_einsum`), each of x, kernel and g is quantized by one
 kernel that also writes its transposed FP8 copy and records its amax
-(`fp8jax.fused_kernels`), and the three GEMMs read those copies in the layout
+(`fp8jax.ops.fused_kernels`), and the three GEMMs read those copies in the layout
 cuBLASLt's FP8 GEMM wants, so XLA adds no transpose. The same kernels also
 return each GEMM's combined descale, and each GEMM is one
 `__cublas$lt$matmul$f8` that applies it as its alpha and writes the output
@@ -33,7 +33,12 @@ Recipe options: GEMMs named in a recipe's `high_precision` run as
 take the general path, which keeps those operands as residuals); amaxes are
 recorded for every role all the same. Per-row and per-block recipes
 (`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`) run in
-`fp8jax.fine_grained_dot`.
+`fp8jax.ops.fine_grained_dot`.
+
+The state goes down one way: this op checks it (`fp8jax.core.meta`), asks its
+recipe (`fp8jax.core.recipes`) and hands the role states' arrays to the casts
+(`fp8jax.ops.cast`, `fp8jax.ops.fused_kernels`); the new state comes back from the
+custom VJP.
 """
 from __future__ import annotations
 
@@ -45,20 +50,18 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from fp8jax import explicit_mesh, weight_reuse
-from fp8jax.amax import amax, amax_max, unbatched_like
-from fp8jax.forward_mode import reverse_mode_only
-from fp8jax.fused_kernels import cast_transpose_amax, tensor_amax
-from fp8jax.kernel_partitioning import shard_local_gemm, vmapped_as
-from fp8jax.meta import DotMeta, check_dot_meta
-from fp8jax.meta_threading import check_threaded
-from fp8jax.quantize import quantize
-from fp8jax.fine_grained_dot import fine_grained_dot_general
-from fp8jax.recipes import is_fine_grained
-from fp8jax.scaling import (amaxes_unbatched_like, quantize_with_meta, record_amax, scale_for,
-                            scale_from_amax)
-from fp8jax.sharding import global_amax, match_operand_axes, varying_axes
-from fp8jax.validation import check_floating
+from fp8jax.core.meta import (DotMeta, amaxes_unbatched_like, check_dot_meta, descale,
+                              record_amax)
+from fp8jax.core.quantize import amax, amax_max, quantize
+from fp8jax.core.validation import check_floating
+from fp8jax.mesh import explicit as explicit_mesh
+from fp8jax.mesh.axes import match_operand_axes, varying_axes
+from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
+from fp8jax.ops import weight_reuse
+from fp8jax.ops.cast import cast_scale, quantize_with_meta
+from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
+from fp8jax.ops.fused_kernels import cast_transpose_amax, tensor_amax
+from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -80,10 +83,11 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   """
   check_floating(x, "x")
   check_floating(kernel, "kernel")
+  refuse_split_state(meta, "meta")
   check_dot_meta(meta, "meta")
   check_threaded(meta, "fp8_dot_general")
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
-  fine_grained = is_fine_grained(meta.recipe)
+  fine_grained = meta.recipe.per_operand
   layout = matrix_layout(dims, x.shape, kernel.shape, explicit_mesh.explicit_spec(x),
                          explicit_mesh.explicit_spec(kernel))
   if fine_grained or meta.recipe.high_precision:
@@ -91,7 +95,7 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
     # general path, which keeps the unquantized operands they need.
     layout = None
   reused = _reused_kernel(kernel, meta.kernel, layout) if not varying_axes(x, kernel) else None
-  x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; see fp8jax.sharding
+  x, kernel, meta = match_operand_axes(x, kernel, meta)  # inside shard_map; fp8jax.mesh.axes
   with reverse_mode_only("An FP8 matmul (fp8jax.fp8_dot_general, under fp8_dense, fp8_einsum "
                          "and the Flax FP8 layers)", "jax.lax.dot_general / jnp.einsum"):
     if fine_grained:
@@ -100,7 +104,7 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
 
 
 def _reused_kernel(kernel, meta, layout):
-  """The kernel's FP8 copies from earlier in the step, under `fp8jax.weight_reuse`; or None.
+  """The kernel's FP8 copies from earlier in the step, under `fp8jax.ops.weight_reuse`; or None.
 
   While collecting, the kernel is quantized here, outside the op's custom VJP,
   so that its arrays belong to the trace that will reuse them.
@@ -129,7 +133,7 @@ def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
     out, new_meta, residuals = _matrix_fwd(x, kernel, meta, reused, layout)
   else:
     out, new_meta, residuals = _general_fwd(x, kernel, meta, dims)
-  # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.amax.unbatched_like).
+  # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.core.quantize.unbatched_like).
   return out, amaxes_unbatched_like(meta, new_meta), residuals
 
 
@@ -170,12 +174,12 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
   qx, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
   high = grad_meta.recipe.high_precision
   g_amax = amax(g)
-  scale_g = scale_for(grad_meta, g_amax, like=g)
+  scale_g = cast_scale(grad_meta, g_amax, like=g)
   scale_inv_g = descale(grad_meta, scale_g)
   qg = quantize(g, scale_g, grad_meta.fmt)
 
   # On an explicit-axis mesh each gradient is sharded as its primal (qx, qk have
-  # x's and the kernel's shardings); see fp8jax.explicit_mesh.
+  # x's and the kernel's shardings); see fp8jax.mesh.explicit.
   dgrad_dims, dgrad_perm = dgrad_dimension_numbers(dims, qx.ndim, qk.ndim)
   dx_spec = explicit_mesh.spec_before_transpose(explicit_mesh.explicit_spec(qx), dgrad_perm)
   with jax.named_scope("fp8_dgrad"):
@@ -277,10 +281,8 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
   """
   if meta.recipe.scales_from_tensor:
     t_amax = tensor_amax(t)
-    whole_amax = global_amax(unbatched_like(meta.amax, t_amax), like)  # over vmap, mesh
-    scale = scale_from_amax(whole_amax, meta.fmt, meta.recipe.margin,
-                            fallback=meta.scale, power_of_two=meta.recipe.power_of_two)
-    scale_inv = 1.0 / scale
+    scale = cast_scale(meta, t_amax, like)
+    scale_inv = descale(meta, scale)
     running = amax_max(meta.amax, t_amax)
   else:
     scale, scale_inv, running = meta.scale, meta.scale_inv, meta.amax
@@ -319,7 +321,7 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
   qg, qg_t, _, (dgrad_descale, wgrad_descale), recorded = _quantize_matrix(
       g2, with_running, g, (scale_inv_k, scale_inv_x))
   # On an explicit-axis mesh dx is sharded as x (qx_t is x^T) and dk as the kernel
-  # (qk has its sharding); see fp8jax.explicit_mesh.
+  # (qk has its sharding); see fp8jax.mesh.explicit.
   with jax.named_scope("fp8_dgrad"):
     dx = scaled_matmul_nt(qg, qk, dgrad_descale, g.dtype,
                           out_spec=explicit_mesh.explicit_spec(qx_t)[::-1])
@@ -334,19 +336,12 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
 # ----- GEMMs with their descales -----------------------------------------------------
 
 
-def descale(meta, scale):
-  """The descale `1 / scale` of a quantization: the stored one when `scale` is the meta's."""
-  if meta.recipe.scales_from_tensor:
-    return 1.0 / scale
-  return meta.scale_inv
-
-
 def scaled_matmul_nt(qa: jax.Array, qb: jax.Array, descale: jax.Array, out_dtype,
                      out_spec=None) -> jax.Array:
   """`(qa @ qb.T) * descale` in `out_dtype`; qa [P, C], qb [Q, C] FP8, descale float32[].
 
   `out_spec`: the product's sharding on an explicit-axis mesh (default: qa's
-  rows, qb's rows; see `fp8jax.explicit_mesh`). Ignored elsewhere.
+  rows, qb's rows; see `fp8jax.mesh.explicit`). Ignored elsewhere.
 
   `descale` is the product of the two operands' `scale_inv` (capped at the
   float32 max, so a zero row stays 0). Both operands contract their last

@@ -16,25 +16,20 @@ Operand blocks per recipe, for a GEMM `A [P, C] @ B [C, Q]`:
                                                     serves fprop and dgrad)
     MXFP8Scaling     A: (1, 32) E8M0 blocks         B: (32, 1) E8M0 blocks
 
-GEMMs:
+GEMMs: each is the recipe's (`Recipe.operand_gemm`, from `fp8jax.core.blocks`):
 
-* Rowwise: a raw FP8 dot accumulated in float32, then the outer product of the
-  two descale vectors applied to the product (an epilogue):
-  `out[p, q] = (q(A) @ q(B))[p, q] * a_inv[p] * b_inv[q]`. The scales never
-  touch the operands before the dot, so on Hopper the dot stays the cuBLASLt
-  FP8 GEMM (a scale that varies along the contraction cannot be folded into it).
-* Block and MX: emulated exactly: both operands dequantized per block to
-  float32 and multiplied at HIGHEST precision (float32 accumulation). With
-  `BlockScaling(gemm="pallas_hopper")` on a GPU, fprop and dgrad (whose right
-  operand is the kernel in 128 x 128 blocks) run on the block-scaled Mosaic
-  GPU kernel of `pallas_kernels.block_scaled_matmul`; wgrad, whose operands are
-  both tiled along M, stays emulated.
+* Rowwise: a raw FP8 dot accumulated in float32, the two descale vectors applied
+  to its product (an epilogue), so on Hopper the dot stays the cuBLASLt FP8 GEMM.
+* Block and MX: emulated exactly (dequantized per block, float32 dot at HIGHEST
+  precision). With `BlockScaling(gemm="pallas_hopper")` on a GPU, fprop and dgrad
+  (whose right operand is the kernel in 128 x 128 blocks) run on the block-scaled
+  Mosaic GPU kernel; wgrad, whose operands are both tiled along M, stays emulated.
 
 GEMMs named in the recipe's `high_precision` run as `lax.dot_general` in the
 input dtype on the unquantized operands.
 
 State: every role's amax (of the whole tensor) is recorded in the meta as in
-`fp8jax.dot`: x and kernel in the returned meta, the output gradient in the
+`fp8jax.ops.dot`: x and kernel in the returned meta, the output gradient in the
 cotangent of the meta input. The scales used are computed from the operands
 and are not stored.
 """
@@ -48,12 +43,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from fp8jax.amax import amax
-from fp8jax.block_quantize import BlockQuantized, dequantize_blocks
-from fp8jax.explicit_mesh import is_explicitly_sharded
-from fp8jax.meta import DotMeta
-from fp8jax.scaling import amaxes_unbatched_like, record_amax
-from fp8jax.shard_map_warnings import warn_if_scales_are_per_shard
+from fp8jax.core.blocks import batched_dims
+from fp8jax.core.meta import DotMeta, amaxes_unbatched_like, record_amax
+from fp8jax.core.quantize import amax
+from fp8jax.core.recipes import GEMMS
+from fp8jax.mesh.axes import describe_axes, manual_axes, types_recorded, varying_axes
+from fp8jax.mesh.explicit import is_explicitly_sharded
 
 
 def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
@@ -71,7 +66,7 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
 
   Inside `jax.shard_map` the scales are those of each device's part of the
   operands, which differ from one device's where a contracted axis is split
-  (`fp8jax.shard_map_warnings` warns); under plain `jit` they are global.
+  (`warn_if_scales_are_per_shard` warns); under plain `jit` they are global.
 
   Raises:
     ValueError: x or kernel is sharded over an explicit-axis mesh.
@@ -100,63 +95,10 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   return out.reshape(*batch_shape, *m_shape, *n_shape), new_meta
 
 
-# ----- The GEMMs ---------------------------------------------------------------------------
-
-
-def _batched_dims(ndim: int):
-  """dot_general dims of `[..., P, C] @ [..., C, Q]` with the leading dims as batch."""
-  batch = tuple(range(ndim - 2))
-  return (((ndim - 1,), (ndim - 2,)), (batch, batch))
-
-
-def rowwise_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
-  """`(q(A) @ q(B)) * a_inv[:, None] * b_inv[None, :]` in `out_dtype`.
-
-  a: q [..., P, C] with scale_inv [..., P, 1]; b: q [..., C, Q] with scale_inv
-  [..., 1, Q]. The raw FP8 dot accumulates in float32; the descales multiply
-  its float32 product, which is then rounded once to `out_dtype`.
-  """
-  product = jax.lax.dot_general(a.q, b.q, _batched_dims(a.q.ndim),
-                                preferred_element_type=jnp.float32)
-  return (product * a.scale_inv * b.scale_inv).astype(out_dtype)
-
-
-def emulated_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
-  """`dequantize(A) @ dequantize(B)` in float32 at HIGHEST precision, rounded to `out_dtype`."""
-  return jax.lax.dot_general(dequantize_blocks(a), dequantize_blocks(b),
-                             _batched_dims(a.q.ndim), precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-def pallas_block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype) -> jax.Array:
-  """The block-scaled Mosaic GPU kernel on A [P, C] (1 x 128 tiles) and B [C, Q] (128 x 128)."""
-  import pallas_kernels
-  if jax.default_backend() != "gpu":
-    raise ValueError(
-        "BlockScaling(gemm='pallas_hopper') runs the block-scaled FP8 GEMM kernel, which needs "
-        f"a GPU, but JAX's backend is {jax.default_backend()!r}. Use "
-        "BlockScaling(gemm='emulated') (the default) on this platform.")
-  if a.q.ndim != 2:
-    raise ValueError(
-        f"BlockScaling(gemm='pallas_hopper') runs 2-D GEMMs only; this dot_general has batch "
-        f"dims (operand shape {a.q.shape}). Use gemm='emulated' for batched contractions.")
-  if not pallas_kernels.BLOCK_SCALED_GEMM_VALIDATED_ON_GPU:
-    warnings.warn(
-        "BlockScaling(gemm='pallas_hopper'): the block-scaled GEMM kernel has not yet been "
-        "validated against its reference on a GPU (pallas_kernels.block_scaled_matmul."
-        "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU is False).", stacklevel=2)
-  try:
-    return pallas_kernels.block_scaled_matmul(a.q, a.scale_inv, b.q.T, b.scale_inv.T,
-                                              out_dtype=out_dtype)
-  except (ValueError, TypeError) as error:  # shapes or dtypes the kernel does not take
-    raise type(error)(f"BlockScaling(gemm='pallas_hopper'): {error} Or use "
-                      "gemm='emulated', which takes any shape.") from error
-
-
 def _high_precision_dot(a: jax.Array, b: jax.Array) -> jax.Array:
   """`a [..., P, C] @ b [..., C, Q]` unquantized, in `a`'s dtype (b is cast to it, so a
   bf16 activation with a float32 kernel is a bf16 GEMM, as the FP8 path's output is)."""
-  return jax.lax.dot_general(a, b.astype(a.dtype), _batched_dims(a.ndim))
+  return jax.lax.dot_general(a, b.astype(a.dtype), batched_dims(a.ndim))
 
 
 # ----- The custom VJP ----------------------------------------------------------------------
@@ -220,3 +162,44 @@ def _fine_grained_bwd(kernel_dtype, residuals, cotangents):
 
 
 _fine_grained_matmul.defvjp(_fine_grained_fwd, _fine_grained_bwd)
+
+
+# ----- Per-shard scales inside shard_map ---------------------------------------------------
+
+
+def warn_if_scales_are_per_shard(recipe, *operands: jax.Array) -> None:
+  """Warns when a per-row / per-block recipe's matmul runs on operands split over manual axes.
+
+  Each device then computes the row and block scales of its own part of the
+  operands; where that part is a slice of a contracted axis, they are not the
+  scales of the whole row. fp8jax cannot tell which dimension a manual axis
+  splits, so it warns whenever an operand is split (with `check_vma=False`,
+  whenever the matmul runs per device at all).
+  """
+  if set(GEMMS) <= set(recipe.high_precision):  # no GEMM is quantized
+    return
+  manual = tuple(manual_axes())
+  if not manual:
+    return
+  split = tuple(sorted(varying_axes(operands)))
+  if not split and types_recorded(manual):
+    return  # typed, and no operand differs between devices: nothing is split
+  name = type(recipe).__name__
+  if split:
+    layout = f"this FP8 matmul's operands are split over {describe_axes(split)}"
+    axis = split[0]
+  else:
+    layout = (f"this FP8 matmul runs per device over {describe_axes(manual)} "
+              "(check_vma=False or pmap: fp8jax cannot see which operands are split)")
+    axis = manual[0]
+  warnings.warn(
+      f"{name} scales each GEMM operand per row / per block from the values one device "
+      f"holds, and inside jax.shard_map {layout}. Wherever that splits the axis a GEMM "
+      "contracts, each device scales from its own slice of every row, and the results "
+      "differ from one device's (the gradients by a percent or more): the weight gradient "
+      f"contracts the batch, so a batch split over {axis!r} does it, and so does a "
+      "row-parallel layer's input dimension. Run the step under plain jax.jit with sharded "
+      "arrays (the scales are then those of whole rows, as on one device), keep contracted "
+      "axes unsplit inside shard_map, or use a per-tensor recipe (DelayedScaling, "
+      "CurrentScaling), whose amaxes fp8jax makes global.",
+      stacklevel=2)  # one place for every layer: Python's default filter shows it once

@@ -1,4 +1,5 @@
-"""`Fp8Meta`: the explicit per-tensor FP8 state, and containers of it.
+"""`Fp8Meta`: the explicit per-tensor FP8 state, the containers of it, and what an op
+does to it (record an amax, take the scale for a cast, descale).
 
 An `Fp8Meta` is one tensor role's state: the `scale` multiplied in before the
 cast to FP8, its reciprocal `scale_inv` that the GEMM applies to its product,
@@ -8,7 +9,8 @@ float32 arrays; the recipe and the FP8 format are static (part of the tree
 structure), so they are fixed under `jit` and cannot be mixed up between layers.
 
 `DotMeta` groups the three roles of one FP8 matmul: the input `x`, the `kernel`
-(forward, E4M3) and the output gradient `grad` (backward, E5M2 under "hybrid").
+(forward, E4M3) and the output gradient `grad` (backward, E5M2 under "hybrid");
+`AttentionMeta` the five of one attention: q, k, v, the output o and `grad`.
 
 Within a training step `amax` is the step's running amax: it is 0 when the
 step opens and every use of the meta takes the max of it and the amax that use
@@ -16,7 +18,7 @@ saw (one scalar max, no other work on the state). `fp8jax.end_step` pushes it
 into the history and computes the next `scale` and `scale_inv`, for all roles
 of a model at once. Keeping the running amax apart from the history and the
 reciprocal scale stored is what keeps the per-op state work O(1) (see
-`fp8jax.scaling`); checkpoints of the earlier two-field layout are converted
+`fp8jax.step.close`); checkpoints of the earlier two-field layout are converted
 on restore (`fp8jax.checkpoint`).
 """
 from __future__ import annotations
@@ -27,10 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fp8jax.formats import Fp8Format
-from fp8jax.manual_axes import split_state_message
-from fp8jax.recipes import Recipe, check_recipe
-from fp8jax.validation import check_format
+from fp8jax.core.formats import Fp8Format
+from fp8jax.core.quantize import amax_max, scale_from_amax, unbatched_like
+from fp8jax.core.recipes import Recipe, check_recipe
+from fp8jax.core.validation import check_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,27 @@ jax.tree_util.register_dataclass(
     DotMeta, data_fields=["x", "kernel", "grad"], meta_fields=[])
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionMeta:
+  """FP8 state of one attention: inputs q, k, v, output o, and output gradient `grad`."""
+
+  q: Fp8Meta
+  k: Fp8Meta
+  v: Fp8Meta
+  o: Fp8Meta
+  grad: Fp8Meta
+
+  @property
+  def recipe(self) -> Recipe:
+    return self.q.recipe
+
+
+jax.tree_util.register_dataclass(
+    AttentionMeta, data_fields=["q", "k", "v", "o", "grad"], meta_fields=[])
+
+ATTENTION_FORWARD_ROLES = ("q", "k", "v", "o")
+
+
 def init_meta(recipe: Recipe, fmt: Fp8Format) -> Fp8Meta:
   """A fresh role state: scale 1, an all-zero amax history of the recipe's length, amax 0."""
   check_recipe(recipe)
@@ -109,6 +132,13 @@ def init_dot_meta(recipe: Recipe) -> DotMeta:
       x=init_meta(recipe, recipe.forward_format),
       kernel=init_meta(recipe, recipe.forward_format),
       grad=init_meta(recipe, recipe.gradient_format))
+
+
+def init_attention_meta(recipe: Recipe) -> AttentionMeta:
+  """Fresh `AttentionMeta`: q, k, v, o in the recipe's forward format, grad in its gradient format."""
+  check_recipe(recipe)
+  forward = {role: init_meta(recipe, recipe.forward_format) for role in ATTENTION_FORWARD_ROLES}
+  return AttentionMeta(**forward, grad=init_meta(recipe, recipe.gradient_format))
 
 
 def is_meta(node: Any) -> bool:
@@ -167,30 +197,56 @@ def check_dot_meta(meta: Any, argname: str = "meta") -> None:
           "fp8jax.init_dot_meta(recipe).")
 
 
+def check_attention_meta(meta: Any, argname: str = "meta") -> None:
+  """Raises a clear error unless `meta` is one (unstacked) `AttentionMeta`."""
+  if not isinstance(meta, AttentionMeta):
+    raise TypeError(f"{argname} must be a fp8jax.AttentionMeta (make one with "
+                    f"fp8jax.init_attention_meta(recipe)), got {type(meta).__name__}.")
+  for role in ATTENTION_FORWARD_ROLES + ("grad",):
+    check_role_meta(getattr(meta, role), f"{argname}.{role}")
+
+
 def check_role_meta(meta: Any, argname: str) -> None:
   """Raises a clear error unless `meta` is an unstacked `Fp8Meta` matching its recipe."""
   if not isinstance(meta, Fp8Meta):
     raise TypeError(f"{argname} must be a fp8jax.Fp8Meta, got {type(meta).__name__}.")
-  history_len = meta.recipe.history_len
-  for field in ("scale", "scale_inv", "amax"):
-    if jnp.shape(getattr(meta, field)) != ():
-      raise ValueError(
-          f"{argname}.{field} has shape {jnp.shape(getattr(meta, field))}, expected a scalar "
-          "(). A meta stacked over layers must be sliced per layer (jax.lax.scan / nn.scan).")
-  if jnp.shape(meta.amax_history) != (history_len,):
-    split = split_state_message(f"{argname}.amax_history", jnp.shape(meta.amax_history),
-                                meta.recipe)
-    if split:  # shard_map's in_specs gave each device a slice of the history
-      raise ValueError(split)
-    raise ValueError(
-        f"{argname}.amax_history has shape {jnp.shape(meta.amax_history)}, but its "
-        f"recipe {meta.recipe} keeps a history of length {history_len}. Re-create the "
-        "meta with fp8jax.init_dot_meta(recipe) or convert it with fp8jax.resize_history.")
+  check_shapes(meta, argname)
   for field in DATA_FIELDS:
     dtype = jnp.result_type(getattr(meta, field))
     if dtype != jnp.float32:
       raise TypeError(f"{argname}.{field} must be float32, got {dtype}.")
   check_scale_inv(meta, argname)
+
+
+def check_shapes(meta: Fp8Meta, argname: str, stacked: bool = False) -> None:
+  """Raises ValueError naming `argname` unless `meta`'s arrays have the shapes its recipe
+  gives them: `scale_inv` and `amax` that of `scale` (a scalar unless `stacked` over
+  layers), `amax_history` that shape + (history_len,).
+
+  A history that `jax.shard_map` split over devices gets its own message from the
+  op or step that reads the mesh (`fp8jax.ops.guards.refuse_split_state`), before this.
+  """
+  rows = jnp.shape(meta.scale) if stacked else ()
+  for field in ("scale", "scale_inv", "amax"):
+    got = jnp.shape(getattr(meta, field))
+    if got == rows:
+      continue
+    if not stacked:
+      raise ValueError(
+          f"{argname}.{field} has shape {got}, expected a scalar (). A meta stacked over "
+          "layers must be sliced per layer (jax.lax.scan / nn.scan).")
+    raise ValueError(
+        f"{argname}.{field} has shape {got}, but scale has shape {rows}: a stacked meta's "
+        "scale, scale_inv and amax share one shape. Make the state with "
+        "fp8jax.init_dot_meta and stack whole metas.")
+  history_len = meta.recipe.history_len
+  want = rows + (history_len,)
+  if jnp.shape(meta.amax_history) != want:
+    raise ValueError(
+        f"{argname}.amax_history has shape {jnp.shape(meta.amax_history)}, but its recipe "
+        f"{meta.recipe} keeps a history of length {history_len}: expected {want}. Re-create "
+        "the meta with fp8jax.init_dot_meta(recipe) or convert it with "
+        "fp8jax.resize_history.")
 
 
 def check_scale_inv(meta: Fp8Meta, argname: str) -> None:
@@ -268,3 +324,45 @@ def resize_history(fp8_state: Any, new_recipe: Recipe) -> Any:
     return dataclasses.replace(meta, amax_history=history, recipe=new_recipe)
 
   return map_metas(convert, fp8_state)
+
+
+# ----- What an op does to a role's state --------------------------------------------------
+
+
+def record_amax(meta: Fp8Meta, amax: jax.Array) -> Fp8Meta:
+  """Takes the max of the step's running amax and `amax` (NaN propagates until end_step)."""
+  return dataclasses.replace(meta, amax=amax_max(meta.amax, amax))
+
+
+def amaxes_unbatched_like(reference_state, recorded_state):
+  """`recorded_state` with each role's amax made `fp8jax.core.quantize.unbatched_like` the
+  same role's amax in `reference_state`: what an FP8 op returns as its state (and its
+  state's cotangent), so that under `jax.vmap` over examples one FP8 state records
+  the amax of the whole batch (not their sum, not a batched state)."""
+  return map_metas(
+      lambda reference, recorded: dataclasses.replace(
+          recorded, amax=unbatched_like(reference.amax, recorded.amax)),
+      reference_state, recorded_state)
+
+
+def scale_for(meta: Fp8Meta, tensor_amax: jax.Array) -> jax.Array:
+  """The float32[] scale to cast a tensor with under `meta`.
+
+  Delayed scaling: the stored `meta.scale`. Recipes that scale from the tensor
+  (`Recipe.scales_from_tensor`): `scale_from_amax` of `tensor_amax`, the amax of
+  the whole tensor (the op makes it so across `jax.vmap` and `shard_map`),
+  keeping `meta.scale` where that amax is 0 or not finite. The per-row /
+  per-block recipes scale per tensor this way where one scale per tensor is all
+  an op takes (the fused attention kernels).
+  """
+  if meta.recipe.scales_from_tensor:
+    return scale_from_amax(tensor_amax, meta.fmt, meta.recipe.margin, fallback=meta.scale,
+                           power_of_two=meta.recipe.power_of_two)
+  return meta.scale
+
+
+def descale(meta: Fp8Meta, scale: jax.Array) -> jax.Array:
+  """The descale `1 / scale` of a cast: the stored `scale_inv` when `scale` is the meta's."""
+  if meta.recipe.scales_from_tensor:
+    return 1.0 / scale
+  return meta.scale_inv

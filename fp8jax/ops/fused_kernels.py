@@ -1,0 +1,214 @@
+"""fp8jax's FP8 bookkeeping kernels, and where they run instead of the same jnp.
+
+The one module through which fp8jax reaches `pallas_kernels` for FP8 state and
+quantization work (attention has its own, `fp8jax.ops.attention`; the per-block
+GEMM kernel is a recipe's, `fp8jax.core.blocks`):
+
+* `cast_transpose_amax`: an FP8 dense layer reads each high-precision tensor
+  T [R, C] (activation, weight, output gradient) in two GEMMs with different
+  contracted dims, and cuBLASLt's FP8 GEMM on Hopper wants the contracted dim
+  innermost for both operands. So each tensor is needed as `q = saturate(T *
+  scale)` in FP8 in its own layout and transposed, and its amax is recorded.
+  One kernel reads T once, writes both FP8 copies and folds max|T| into the
+  running amax; XLA by itself needs four kernels and two reads of T for it.
+* `tensor_amax`: the amax pass current scaling needs before it can cast.
+* `close_steps`: the end-of-step update of every FP8 role of a model in one
+  launch (XLA compiles it into a few kernels per role).
+
+Each is chosen when the program is lowered (`jax.lax.platform_dependent`): on a
+GPU the Pallas kernel, elsewhere the jnp definition, so a program compiled for
+an H100 on a CPU-only machine gets the kernels too. Kernel and jnp agree bit
+for bit (tests/test_fused_kernels.py), except that XLA on CPU flushes
+subnormal inputs to zero where the GPU keeps them.
+
+On a mesh (plain `jit` with sharded arrays, one host or many) each kernel runs
+on its device's shard and its amax output is made global by one max over the
+mesh axes that split the tensor (`fp8jax.mesh.partitioning`; XLA combines
+these scalar all-reduces into one), so no activation or gradient is gathered.
+Inside `jax.shard_map` (per-device code) each kernel runs on the arrays the
+device holds, declaring that its outputs vary over the mesh as their jnp
+definitions' would (`pallas_kernels.varying`); the state update there reads the
+all-reduced state packed in one vector. A tensor sharded over an explicit-axis
+mesh (`AxisType.Explicit`: the sharding is in its type, and a Pallas call takes
+only unsharded types) gets the jnp form: the same numbers, more kernels, with a
+warning when JAX's backend is a GPU.
+`fused_kernels(True)` forces the kernels on (an error for explicitly sharded
+tensors), `fused_kernels(False)` off.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from fp8jax.core.formats import Fp8Format
+from fp8jax.core.quantize import amax, amax_max, quantize
+from fp8jax.mesh.axes import fully_manual, inside_shard_map
+from fp8jax.mesh.explicit import is_explicitly_sharded
+from fp8jax.mesh.partitioning import shard_local, shard_local_weight_cast, vmapped_as
+
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+_KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_FORCED = contextvars.ContextVar("fp8jax_fused_kernels", default=None)
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool):
+  """Forces fp8jax's fused GPU kernels on or off for the programs traced inside."""
+  if not isinstance(enabled, bool):
+    raise TypeError(f"enabled={enabled!r} must be True or False.")
+  token = _FORCED.set(enabled)
+  try:
+    yield
+  finally:
+    _FORCED.reset(token)
+
+
+def kernels_allowed(*trees) -> bool:
+  """Whether the fused kernels may take the arrays in `trees` (if lowered for a GPU).
+
+  Yes in every program partitioned by XLA (one device or a mesh, plain `jit`):
+  each kernel runs on its device's shard (`fp8jax.mesh.partitioning`). Yes
+  inside a `shard_map` over every mesh axis of more than one device (per-device
+  code), where this JAX lets a kernel declare how its outputs vary over the
+  mesh. No for arrays sharded over explicit mesh axes, nor (unless forced on)
+  inside a `shard_map` that leaves an axis automatic, where the jnp form runs.
+  """
+  forced = _FORCED.get()
+  explicit = is_explicitly_sharded(*trees)
+  if forced and explicit:
+    raise ValueError(
+        "fused_kernels(True): the fused FP8 kernels cannot take arrays sharded over an "
+        "explicit-axis mesh (jax.sharding.AxisType.Explicit): a Pallas call accepts only "
+        "unsharded types. Leave fused_kernels unset there (the jnp form runs), or make the "
+        "mesh with AxisType.Auto axes, where each device runs the kernels on its shard.")
+  if forced is not None:
+    return forced
+  if explicit:
+    if jax.default_backend() == "gpu":
+      warnings.warn(
+          "fp8jax's fused FP8 kernels do not run on arrays sharded over an explicit-axis mesh "
+          "(jax.sharding.AxisType.Explicit); the jnp form runs instead (same numbers, more "
+          "kernels). Make the mesh with AxisType.Auto axes to keep the kernels.", stacklevel=3)
+    return False
+  if not inside_shard_map():
+    return True
+  # Per-device code: where an automatic axis is left (shard_map over some axes
+  # only), XLA would gather what it splits for the kernel; the jnp form runs.
+  return pallas_kernels.can_declare_varying_outputs() and fully_manual()
+
+
+def choose(args, kernel, reference):
+  """`kernel(*args)` where the program is lowered for a GPU and kernels are allowed, else
+  `reference(*args)`. Under `jax.vmap` the reference runs: a kernel partitioned
+  for a mesh (`jax.experimental.custom_partitioning`) has no batching rule."""
+  if not kernels_allowed(args):
+    return reference(*args)
+  return jax.lax.platform_dependent(*args, cuda=vmapped_as(kernel, reference),
+                                    default=reference)
+
+
+def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
+                        fmt: Fp8Format, descale: jax.Array | None = None,
+                        partner_descales: tuple | None = None,
+                        gathered_for: jax.Array | None = None):
+  """`(q, q.T, max(running_amax, max|x|), products)` with `q = saturate(x * scale)` in `fmt`.
+
+  Args:
+    x: [R, C] bf16/f16/f32.
+    scale: float32[] multiplied in before the cast.
+    running_amax: float32[] the step's amax so far.
+    fmt: the FP8 format.
+    descale, partner_descales: optional float32[] and a tuple of float32[]: also
+      return `min(descale * partner, float32 max)` per partner, the combined
+      descales of the GEMMs x enters (see `fp8jax.ops.dot.scaled_matmul_nt`),
+      computed by the same kernel instead of one scalar kernel per GEMM.
+    gathered_for: for a weight, the 2-D activation it meets in its GEMM. On a
+      mesh whose batch axes also split the weight (FSDP), the kernel then casts
+      each device's shard and all-gathers the FP8 copy, transposing it after
+      the gather (`fp8jax.mesh.partitioning.shard_local_weight_cast`).
+
+  Returns:
+    q [R, C] and q.T [C, R] in `fmt.dtype`, the updated float32[] running amax,
+    and the tuple of float32[] products (None without `partner_descales`).
+  """
+  with_products = partner_descales is not None
+
+  def reference(x, scale, running_amax, descale, partner_descales, gathered_for=None):
+    q = quantize(x, scale, fmt)
+    products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
+                if with_products else None)
+    return q, q.T, amax_max(running_amax, amax(x)), products
+
+  def local_kernel(x, scale, running_amax, *descales):
+    descale, partners = (descales[0], descales[1:]) if with_products else (None, None)
+    out = pallas_kernels.cast_transpose_amax(
+        x, scale, running_amax, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
+        partner_descales=partners)
+    return tuple(out[:3]) + (tuple(out[3]) if with_products else ())
+
+  n_products = len(partner_descales) if with_products else 0
+  per_shard = shard_local(local_kernel, ("same", "transposed", "amax") + ("scalar",) * n_products)
+
+  def kernel(x, scale, running_amax, descale, partner_descales, gathered_for):
+    descales = (descale, *partner_descales) if with_products else ()
+    if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
+      q, q_t, new_amax, *products = local_kernel(x, scale, running_amax, *descales)
+    elif gathered_for is None:
+      q, q_t, new_amax, *products = per_shard(x, scale, running_amax, *descales)
+    else:
+      q, q_t, new_amax, *products = shard_local_weight_cast(local_kernel)(
+          x, gathered_for, scale, running_amax, *descales, n_scalars_out=n_products)
+    return q, q_t, new_amax, (tuple(products) if with_products else None)
+
+  args = (x, scale, running_amax, descale, partner_descales, gathered_for)
+  if not _takes(x):
+    return reference(*args)
+  return choose(args, kernel, reference)
+
+
+def tensor_amax(x: jax.Array) -> jax.Array:
+  """float32[] max|x| of a 2-D `x` in one pass (NaN if `x` holds a NaN)."""
+  zero = jnp.zeros((), jnp.float32)
+
+  def reference(x, start):
+    return amax_max(start, amax(x))
+
+  def kernel(x, start):
+    if inside_shard_map():
+      return pallas_kernels.running_amax(x, start)
+    return _per_shard_amax(x, start)[0]
+
+  if not _takes(x):
+    return reference(x, zero)
+  return choose((x, zero), kernel, reference)
+
+
+def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_len,
+                amax_compute_algo, reference):
+  """`reference(amaxes, other_amaxes, histories, scales)` (the jnp update of
+  `fp8jax.step.close`), or `pallas_kernels.close_steps` doing the same in one launch."""
+
+  def kernel(amaxes, other_amaxes, histories, scales):
+    # Inside shard_map the state arrives as slices of one all-reduced vector
+    # (`fp8jax.all_reduce_amax`); packed, they fold back into it instead of
+    # each slice being a kernel.
+    return pallas_kernels.close_steps(
+        amaxes, histories, scales, numerators=numerators, history_len=history_len,
+        amax_compute_algo=amax_compute_algo, other_amaxes=other_amaxes,
+        packed=inside_shard_map())
+
+  return choose((amaxes, other_amaxes, histories, scales), kernel, reference)
+
+
+_per_shard_amax = shard_local(lambda x, start: (pallas_kernels.running_amax(x, start),),
+                              ("amax",))
+
+
+def _takes(x) -> bool:
+  """Whether the cast kernels accept `x` (2-D, non-empty, bf16/f16/f32)."""
+  return x.ndim == 2 and x.size > 0 and jnp.dtype(x.dtype) in _KERNEL_INPUT_DTYPES
