@@ -14,19 +14,20 @@ them with `wgmma`. This module holds the pieces both passes need:
   of those need no mask.
 * `tile_visibility`: the mask of one [rows, cols] tile (causal and/or segment ids).
 * The pipeline: `stream_tiles` (the producer's loop over a ring of slots) and
-  `release_slot` (a compute warpgroup passing a slot it does not need).
+  `release_slot` (a compute warpgroup passing a slot it does not need), with `when`;
+  they live in `pallas_kernels.smem_ring` (shared with the grouped GEMMs) and are
+  re-exported here.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic_target import pl, plgpu
+from pallas_kernels.smem_ring import release_slot, stream_tiles, when  # noqa: F401 (re-exported)
 
 COMPUTE_WGS = 2   # compute warpgroups per CTA; a third one issues the TMA copies
 LOG2E = math.log2(math.e)
@@ -242,56 +243,3 @@ def safe_lse(lse2: jax.Array) -> jax.Array:
   passes no gradient, as the semantics say, instead of exp2(-inf + inf) = NaN.
   """
   return jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)
-
-
-def when(condition, fn) -> None:
-  """fn() where `condition` holds: a Python bool decides now, a traced one in the kernel."""
-  if isinstance(condition, bool):
-    if condition:
-      fn()
-  else:
-    pl.when(condition)(fn)
-
-
-def stream_tiles(total_steps, stages: int, issue, free_barriers) -> None:
-  """The producer warpgroup's loop: `total_steps` steps through a ring of `stages` slots.
-
-  Args:
-    total_steps: steps the CTA's compute warpgroups consume (a Python int or int32).
-    stages: slots in the ring.
-    issue: issue(step, slot) starts the TMA copies of a step into a slot.
-    free_barriers: free_barriers(slot) lists the barriers every compute warpgroup
-      arrives on when it is done with a slot; all must pass before the slot is refilled.
-  """
-  for slot in range(stages):  # the first steps fill the empty ring (there may be fewer)
-    when(slot < total_steps, functools.partial(issue, slot, slot))
-  refills = (max(total_steps - stages, 0) if isinstance(total_steps, int)
-             else jnp.maximum(total_steps - stages, 0))
-
-  def slot_of(step):
-    return lax.rem(step, jnp.int32(stages))
-
-  @pl.loop(0, refills)
-  def _(step):
-    for barrier in free_barriers(slot_of(step)):
-      plgpu.barrier_wait(barrier)
-    issue(step + stages, slot_of(step))
-
-  # Observe the last releases too, so no barrier phase is pending when the CTA's
-  # shared memory goes away.
-  @pl.loop(refills, total_steps)
-  def _(step):
-    for barrier in free_barriers(slot_of(step)):
-      plgpu.barrier_wait(barrier)
-
-
-def release_slot(scratch, kinds, slot) -> None:
-  """A compute warpgroup's pass over a slot it does not use: wait for each kind's tile, release it.
-
-  Every warpgroup observes every phase of the ring's barriers, so skipping a step (a
-  causal block only the CTA's other warpgroup needs) keeps the phases in step.
-  `scratch` has `<kind>_ready` and `<kind>_free` barriers for each of `kinds`.
-  """
-  for kind in kinds:
-    plgpu.barrier_wait(getattr(scratch, f"{kind}_ready").at[slot])
-    plgpu.barrier_arrive(getattr(scratch, f"{kind}_free").at[slot])
