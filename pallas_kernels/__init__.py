@@ -20,6 +20,15 @@
   E4M3 operands with 1x128 (A) and 128x128 (B) descales, FP8 `wgmma` per 128 of K,
   promoted into an f32 accumulator; `block_scaled_matmul_reference` is its plain-jnp
   definition and CPU path, `BlockScaledMatmulBlockSizes` its tiles.
+* `ragged_matmul` and `transposed_ragged_matmul`: grouped (ragged) FP8 GEMMs for
+  mixture-of-experts layers on Hopper (Mosaic GPU, persistent and warp-specialized, E4M3
+  `wgmma`), with `jax.lax.ragged_dot` semantics: `ragged_matmul` is the forward and dgrad
+  form ([M, Kc] rows by group times a [G, Nout, Kc] weight), `transposed_ragged_matmul`
+  the wgrad form (per group, a_t [Ka, M] b_t [Nb, M]^T over the group's tokens); descales
+  per tensor, per row, or per 128 block promoted in the loop (DeepSeek-V3). Their
+  `*_reference` functions are the plain-jnp definitions and CPU paths,
+  `RaggedMatmulBlockSizes` / `TransposedRaggedMatmulBlockSizes` their tiles, and
+  `RAGGED_GEMM_VALIDATED_ON_GPU` says whether they have passed on a GPU yet.
 * `close_steps`: the end-of-step update of delayed scaling (history roll, new
   scale and reciprocal) for many tensor roles in one launch;
   `close_steps_reference` is its plain-jnp definition; `amax_max` the max of
@@ -45,6 +54,12 @@ from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_G
                                                 BlockScaledMatmulBlockSizes,
                                                 block_scaled_matmul,
                                                 block_scaled_matmul_reference)
+from pallas_kernels.ragged_tiling import (RaggedMatmulBlockSizes,
+                                          TransposedRaggedMatmulBlockSizes)
+from pallas_kernels.ragged_matmul import (RAGGED_GEMM_VALIDATED_ON_GPU, ragged_matmul,
+                                          ragged_matmul_reference)
+from pallas_kernels.transposed_ragged_matmul import (transposed_ragged_matmul,
+                                                     transposed_ragged_matmul_reference)
 
 __all__ = [
     "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU", "BlockScaledMatmulBlockSizes", "block_scaled_matmul",
@@ -56,4 +71,7 @@ __all__ = [
     "HopperAttentionBlockSizes", "hopper_attention", "hopper_bf16_attention_backward",
     "hopper_bf16_attention_forward", "hopper_fp8_attention_backward",
     "hopper_fp8_attention_forward", "quantize_gradient", "running_amax",
+    "RAGGED_GEMM_VALIDATED_ON_GPU", "RaggedMatmulBlockSizes", "TransposedRaggedMatmulBlockSizes",
+    "ragged_matmul", "ragged_matmul_reference", "transposed_ragged_matmul",
+    "transposed_ragged_matmul_reference",
 ]
