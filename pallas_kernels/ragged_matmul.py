@@ -52,10 +52,11 @@ from pallas_kernels.ragged_tiling import (COMPUTE_WGS, STEP, WG_ROWS, RaggedMatm
                                           smem_bytes, store_rows, wait_ready)
 from pallas_kernels.smem_ring import slot_of, when
 
-# Becomes True once the grouped kernels (this one and transposed_ragged_matmul) have
-# matched float64 on an H100; until then they are proven to compile to FP8 wgmma
+# Becomes True once test_compiled_kernels_match_float64_on_hopper (tests/
+# test_ragged_matmul.py) has passed on an H100 for both grouped kernels (this one and
+# transposed_ragged_matmul); until then they are proven to compile to FP8 wgmma
 # (deviceless, tests/test_ragged_matmul_ptx.py) and their logic to match float64 in Mosaic
-# GPU's CPU interpreter (tests/test_ragged_matmul.py), but have never run on a GPU.
+# GPU's CPU interpreter, but have never run on a GPU.
 RAGGED_GEMM_VALIDATED_ON_GPU = False
 
 _FN = "ragged_matmul"
