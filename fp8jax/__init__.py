@@ -9,7 +9,7 @@ the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering` (GEMM report and
 cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
 `fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`),
 `fp8jax.telemetry` (what quantization does to each tensor: saturation,
-underflow, SNR), and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
+underflow, SNR), `fp8jax.optim` (Adam / AdamW with FP8 moments), and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
 `fp8jax.data` (its embedded corpus) and `fp8jax.runs` (training runs: `fp8jax
 train`, `compare`, `calibrate`).
 
@@ -22,12 +22,14 @@ from fp8jax import platform_guard  # noqa: F401
 from fp8jax.core.formats import E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.core.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                                  Recipe, RowwiseScaling)
-from fp8jax.core.meta import (AttentionMeta, DotMeta, Fp8Meta, init_attention_meta,
-                              init_dot_meta, init_meta, merge_stacked_metas, resize_history)
+from fp8jax.core.meta import (AttentionMeta, DotMeta, Fp8Meta, RaggedDotMeta,
+                              init_attention_meta, init_dot_meta, init_meta,
+                              init_ragged_dot_meta, merge_stacked_metas, resize_history)
 from fp8jax.core.quantize import amax, dequantize, quantize, scale_from_amax
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.einsum import fp8_einsum
+from fp8jax.ops.ragged_dot import fp8_ragged_dot
 from fp8jax.ops.attention import attention, fp8_attention
 from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, UnthreadedStateError,
                                differentiating_fp8_state)
@@ -37,7 +39,7 @@ from fp8jax.step.all_reduce import all_reduce_amax
 # The tools, and the documented modules at their old paths (README "Layout"), which
 # `import fp8jax` has always made reachable as attributes (fp8jax.sharding.replicated).
 from fp8jax import (attention_backend, attention_partitioning, deviceless,  # noqa: F401
-                    fused_kernels, kernel_partitioning, lowering, recipes, sharding,
+                    fused_kernels, kernel_partitioning, lowering, optim, recipes, sharding,
                     telemetry, weight_reuse)
 
 __all__ = [
@@ -49,9 +51,10 @@ __all__ = [
     "amax", "dequantize", "quantize",
     "begin_step", "close_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum",
+    "RaggedDotMeta", "fp8_ragged_dot", "init_ragged_dot_meta",
     "accumulate_gradients", "value_and_grad", "UnthreadedStateError",
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
-    "attention_backend", "deviceless", "fused_kernels", "lowering", "telemetry",
+    "attention_backend", "deviceless", "fused_kernels", "lowering", "optim", "telemetry",
 ]

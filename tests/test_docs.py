@@ -198,7 +198,8 @@ def _public_names(module_name: str) -> list[str]:
 DOCUMENTED_MODULES = ["fp8jax", "fp8jax.flax", "fp8jax.flax.linen", "fp8jax.flax.nnx",
                       "fp8jax.checkpoint", "fp8jax.sharding", "fp8jax.lowering",
                       "fp8jax.deviceless", "fp8jax.attention_backend", "fp8jax.fused_kernels",
-                      "fp8jax.telemetry", "fp8jax.models.gpt", "fp8jax.data", "fp8jax.runs"]
+                      "fp8jax.telemetry", "fp8jax.optim", "fp8jax.models.gpt", "fp8jax.data",
+                      "fp8jax.runs"]
 
 
 def test_docs_api_reference_names_every_public_name(built_site):

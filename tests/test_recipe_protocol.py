@@ -240,3 +240,28 @@ def test_a_window_amax_of_the_wrong_shape_is_named_where_the_recipe_is_first_use
   with pytest.raises(TypeError, match=r"_WindowFails.window_amax\(history\) failed on a "
                                       r"float32 history of shape \(3, 4\)"):
     fp8jax.init_meta(_WindowFails(amax_history_len=4), fp8jax.E4M3)
+
+
+def test_user_recipe_runs_fp8_ragged_dot_and_each_expert_follows_its_own_rule():
+  """The grouped matmul's per-expert state closes by the recipe's own window_amax, row by
+  row: each expert's scale is the EMA of its own amaxes."""
+  sizes = jnp.asarray([40, 0, 24], jnp.int32)
+  x = jax.random.normal(jax.random.key(0), (64, 32))
+  w = jax.random.normal(jax.random.key(1), (3, 32, 16)) * jnp.asarray([1.0, 5.0, 0.2])[:, None,
+                                                                                          None]
+  meta = fp8jax.init_ragged_dot_meta(RECIPE, 3)
+
+  def loss(params, meta):
+    y, meta = fp8jax.fp8_ragged_dot(params["x"], params["w"], sizes, meta)
+    return jnp.sum(y ** 2), meta
+
+  for gain in GAINS:
+    _, _, meta = fp8jax.value_and_grad(loss)({"x": x * gain, "w": w * gain}, meta)
+  for g in (0, 2):
+    history = np.asarray(meta.kernel.amax_history[g], np.float64)
+    np.testing.assert_allclose(float(meta.kernel.scale[g]), _ema_scale(history, 448.0),
+                               rtol=1e-6)
+  assert float(meta.kernel.scale[1]) == 1.0  # no rows in any step: never recorded
+  _assert_ema_scales(fp8jax.DotMeta(x=meta.x, kernel=dataclasses.replace(
+      meta.kernel, scale=meta.kernel.scale[0], amax_history=meta.kernel.amax_history[0]),
+      grad=meta.grad))

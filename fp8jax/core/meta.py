@@ -10,7 +10,8 @@ structure), so they are fixed under `jit` and cannot be mixed up between layers.
 
 `DotMeta` groups the three roles of one FP8 matmul: the input `x`, the `kernel`
 (forward, E4M3) and the output gradient `grad` (backward, E5M2 under "hybrid");
-`AttentionMeta` the five of one attention: q, k, v, the output o and `grad`.
+`AttentionMeta` the five of one attention: q, k, v, the output o and `grad`;
+`RaggedDotMeta` the three of a grouped matmul, its `kernel` with one scale per expert.
 
 Within a training step `amax` is the step's running amax: it is 0 when the
 step opens and every use of the meta takes the max of it and the amax that use
@@ -29,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fp8jax.core.formats import Fp8Format
+from fp8jax.core.formats import E4M3, Fp8Format
 from fp8jax.core.quantize import amax_max, scale_from_amax, unbatched_like
 from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.core.validation import check_format
@@ -109,6 +110,29 @@ jax.tree_util.register_dataclass(
 ATTENTION_FORWARD_ROLES = ("q", "k", "v", "o")
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedDotMeta:
+  """FP8 state of one grouped matmul (`fp8jax.fp8_ragged_dot`, the experts of a MoE layer).
+
+  Roles: the input `x`, the experts' weights `kernel` and the output gradient `grad`.
+  `kernel`'s arrays carry a leading expert axis (scale, scale_inv, amax float32 [G],
+  amax_history float32 [G, L]): experts' weights differ by orders of magnitude, so each
+  has its own scale. `grad` is E4M3 under every recipe (see `fp8jax.ops.ragged_dot`).
+  """
+
+  x: Fp8Meta
+  kernel: Fp8Meta
+  grad: Fp8Meta
+
+  @property
+  def recipe(self) -> Recipe:
+    return self.x.recipe
+
+
+jax.tree_util.register_dataclass(
+    RaggedDotMeta, data_fields=["x", "kernel", "grad"], meta_fields=[])
+
+
 def init_meta(recipe: Recipe, fmt: Fp8Format) -> Fp8Meta:
   """A fresh role state: scale 1, an all-zero amax history of the recipe's length, amax 0."""
   check_recipe(recipe)
@@ -139,6 +163,23 @@ def init_attention_meta(recipe: Recipe) -> AttentionMeta:
   check_recipe(recipe)
   forward = {role: init_meta(recipe, recipe.forward_format) for role in ATTENTION_FORWARD_ROLES}
   return AttentionMeta(**forward, grad=init_meta(recipe, recipe.gradient_format))
+
+
+def init_ragged_dot_meta(recipe: Recipe, num_groups: int) -> RaggedDotMeta:
+  """A fresh `RaggedDotMeta` for a grouped matmul of `num_groups` experts under `recipe`.
+
+  Returns:
+    x in the recipe's forward format with scalar arrays; kernel likewise with a leading
+    [num_groups] axis on every array (each expert its own scale and history); grad in
+    E4M3 with scalar arrays.
+  """
+  check_recipe(recipe)
+  if (not isinstance(num_groups, int) or isinstance(num_groups, bool)) or num_groups < 1:
+    raise ValueError(f"num_groups={num_groups!r} must be a positive int: the number of "
+                     "experts, w.shape[0] of fp8_ragged_dot's weight.")
+  one = init_meta(recipe, recipe.forward_format)
+  per_expert = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_groups,) + a.shape), one)
+  return RaggedDotMeta(x=one, kernel=per_expert, grad=init_meta(recipe, E4M3))
 
 
 def is_meta(node: Any) -> bool:
@@ -204,6 +245,36 @@ def check_attention_meta(meta: Any, argname: str = "meta") -> None:
                     f"fp8jax.init_attention_meta(recipe)), got {type(meta).__name__}.")
   for role in ATTENTION_FORWARD_ROLES + ("grad",):
     check_role_meta(getattr(meta, role), f"{argname}.{role}")
+
+
+def check_ragged_dot_meta(meta: Any, num_groups: int, argname: str = "meta") -> None:
+  """Raises a clear error unless `meta` is a `RaggedDotMeta` for `num_groups` experts."""
+  if not isinstance(meta, RaggedDotMeta):
+    raise TypeError(f"{argname} must be a fp8jax.RaggedDotMeta (make one with "
+                    f"fp8jax.init_ragged_dot_meta(recipe, num_groups)), got "
+                    f"{type(meta).__name__}.")
+  check_role_meta(meta.x, f"{argname}.x")
+  check_role_meta(meta.grad, f"{argname}.grad")
+  if not isinstance(meta.kernel, Fp8Meta):
+    raise TypeError(f"{argname}.kernel must be a fp8jax.Fp8Meta, got "
+                    f"{type(meta.kernel).__name__}.")
+  got = jnp.shape(meta.kernel.scale)
+  if got != (num_groups,):
+    raise ValueError(
+        f"{argname}.kernel.scale has shape {got}, expected ({num_groups},): one scale per "
+        f"expert of w. Make the state with fp8jax.init_ragged_dot_meta(recipe, "
+        f"num_groups={num_groups}).")
+  check_shapes(meta.kernel, f"{argname}.kernel", stacked=True)
+  check_scale_inv(meta.kernel, f"{argname}.kernel")
+  for role in ("kernel", "grad"):
+    if getattr(meta, role).recipe != meta.x.recipe:
+      raise ValueError(f"{argname}.{role} follows recipe {getattr(meta, role).recipe} but "
+                       f"{argname}.x follows {meta.x.recipe}; make the state with "
+                       "fp8jax.init_ragged_dot_meta(recipe, num_groups).")
+  if meta.grad.fmt != E4M3:
+    raise ValueError(f"{argname}.grad has format {meta.grad.fmt}; grouped matmuls cast the "
+                     "output gradient to E4M3. Make the state with "
+                     "fp8jax.init_ragged_dot_meta(recipe, num_groups).")
 
 
 def check_role_meta(meta: Any, argname: str) -> None:
