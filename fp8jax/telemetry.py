@@ -12,7 +12,9 @@ Two levels, both pure functions that work under `jax.jit`:
   the FP8 op does it (the same scale for the recipe, per row or per block for
   `RowwiseScaling`, `BlockScaling` and `MXFP8Scaling`, the same saturating cast):
   amax, scale, the fractions that saturate, flush to zero or land in subnormals,
-  and the quantization SNR. For linen models,
+  and the quantization SNR; `ragged_dot_stats` gives them per expert for a grouped
+  matmul (`state_stats` of its per-expert state already has a field per expert). For
+  linen models,
   `fp8jax.flax.linen_telemetry.linen_tensor_stats()` computes
   them for the input `x` and the `kernel` of every FP8 layer call of a step and
   sows them into the "fp8_telemetry" collection.
@@ -39,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.core.blocks import dequantize_blocks, expand_blocks
-from fp8jax.core.meta import (DotMeta, Fp8Meta, check_dot_meta, check_fp8_state, check_role_meta,
-                              is_meta)
+from fp8jax.core.meta import (DotMeta, Fp8Meta, RaggedDotMeta, check_dot_meta, check_fp8_state,
+                              check_ragged_dot_meta, check_role_meta, is_meta)
 from fp8jax.core.quantize import amax as _amax
 from fp8jax.core.quantize import dequantize, quantize
 from fp8jax.core.recipes import is_fine_grained
@@ -235,6 +237,26 @@ def dot_stats(x: jax.Array, kernel: jax.Array, meta: DotMeta,
             "kernel": tensor_stats(kernel, meta.kernel, "rhs", contract_axes=tuple(kernel_axes))}
   return {"x": tensor_stats(x, meta.x, "lhs", n_contract),
           "kernel": tensor_stats(kernel, meta.kernel, "rhs", n_contract)}
+
+
+def ragged_dot_stats(x: jax.Array, w: jax.Array, meta: RaggedDotMeta) -> dict[str, TensorStats]:
+  """`tensor_stats` of both forward operands of one grouped matmul, the weight per expert.
+
+  Args:
+    x: [M, K], the rows passed to `fp8jax.fp8_ragged_dot`.
+    w: [G, K, N], the experts' weights passed with them.
+    meta: that call's `RaggedDotMeta`.
+
+  Returns:
+    {"x": tensor_stats(x, meta.x), "kernel": TensorStats whose fields are float32 [G],
+    expert g's `tensor_stats(w[g], its meta)`}: per expert its amax, scale, saturated,
+    flushed and subnormal fractions and SNR.
+  """
+  check_ragged_dot_meta(meta, w.shape[0], "meta")
+  experts = [tensor_stats(w[g], jax.tree.map(lambda a, g=g: a[g], meta.kernel), "rhs")
+             for g in range(w.shape[0])]
+  return {"x": tensor_stats(x, meta.x, "lhs"),
+          "kernel": TensorStats(*(jnp.stack(field) for field in zip(*experts)))}
 
 
 # float32 log2s of a scale computed as fmt.max / amax differ from 0 by ~1e-6 at most.

@@ -43,6 +43,7 @@ from flax import nnx
 from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
 from fp8jax.flax.dot_report import DotRecord, Fp8Report, nothing_converted_message
+from fp8jax.flax.dot_calls import init_call_meta
 from fp8jax.flax.nnx_dots import convert_dots, find_dots, routable
 from fp8jax.flax.rules import OP_KINDS, Fp8Rule, check_rules, decide
 from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
@@ -142,7 +143,7 @@ def _convert_dots(model, recipe, rules, example_inputs) -> list[DotRecord]:
     elif call.blocker is not None:
       records.append(_stays_high_precision(dot, call.blocker))
     else:
-      metas.setdefault(path, {})[name] = init_dot_meta(decision.recipe)
+      metas.setdefault(path, {})[name] = init_call_meta(call, decision.recipe)
       records.append(DotRecord.of(dot, decision.recipe, decision.reason))
   convert_dots(modules, metas)
   return records

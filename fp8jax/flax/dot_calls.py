@@ -6,6 +6,8 @@
 takes, the permutation its output needs, and the `LayerInfo` a filter sees; or
 says why the call is no GEMM fp8jax can run (an einsum of three operands, a
 label summed over one operand, integer operands, an output sharding, ...).
+`lax.ragged_dot(x [M, K], w [G, K, N], group_sizes)`, the expert GEMMs of a
+mixture-of-experts layer, runs as `fp8_ragged_dot` with a state per expert.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import opt_einsum
 
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.einsum import parse_two_operand_subscripts
+from fp8jax.ops.ragged_dot import fp8_ragged_dot
 from fp8jax.flax.layer_filter import LayerInfo
 from fp8jax.flax.op_routing import is_jax_function
-from fp8jax.core.meta import DotMeta
+from fp8jax.core.meta import DotMeta, RaggedDotMeta, init_dot_meta, init_ragged_dot_meta
+from fp8jax.core.recipes import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +32,13 @@ class DotCall:
   """One call read as `lax.dot_general(lhs, rhs, dims)`, or why it cannot run in FP8.
 
   Attributes:
-    kind: "dot_general", "einsum", "matmul" or "dot".
+    kind: "dot_general", "einsum", "matmul", "dot" or "ragged_dot".
     lhs, rhs: the operands (None when the call is not a two-operand dot).
-    dims: dimension numbers for `fp8_dot_general`.
+    dims: dimension numbers for `fp8_dot_general` (None for "ragged_dot").
     permutation: the transpose that takes dot_general's output to the call's, or None.
     dtype: the output dtype the call asks for.
     blocker: why FP8 cannot run this call, or None.
+    group_sizes: "ragged_dot"'s rows per group.
   """
 
   kind: str
@@ -43,10 +48,15 @@ class DotCall:
   permutation: tuple | None = None
   dtype: Any = None
   blocker: str | None = None
+  group_sizes: Any = None
 
   def info(self, path: tuple) -> LayerInfo:
-    """What rules and filters see: the second operand plays the kernel."""
+    """What rules and filters see: the second operand plays the kernel (for a grouped
+    matmul, each expert's [K, N] weight: K in, N out, the expert axis a batch dim)."""
     rhs_shape = tuple(self.rhs.shape)
+    if self.kind == "ragged_dot" and len(rhs_shape) == 3:
+      return LayerInfo(path, self.kind, rhs_shape, rhs_shape[1:2], rhs_shape[2:],
+                       tuple(self.lhs.shape))
     if self.dims is None:
       return LayerInfo(path, self.kind, rhs_shape, (), rhs_shape, tuple(self.lhs.shape))
     (_, rhs_contract), (_, rhs_batch) = self.dims
@@ -70,15 +80,28 @@ def read_dot_call(kind: str, args: tuple, kwargs: dict) -> DotCall | None:
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
       return dataclasses.replace(call, blocker=f"its {name} is {dtype}, not a float of 16 bits "
                                  "or more")
-  if not call.dims[0][0]:
+  if call.dims is not None and not call.dims[0][0]:
     return dataclasses.replace(call, blocker="it contracts no dimension (an outer product)")
   return call
 
 
-def fp8_dot_call(call: DotCall, meta: DotMeta):
-  """The call computed by `fp8_dot_general` with `meta`: (output as the call gives it,
-  new_meta). The operands are promoted to their common dtype first, as the call would."""
+def init_call_meta(call: DotCall, recipe: Recipe) -> DotMeta | RaggedDotMeta:
+  """Fresh FP8 state for `call`: a `RaggedDotMeta` (a scale per expert) for a grouped
+  matmul, else a `DotMeta`."""
+  if call.kind == "ragged_dot":
+    return init_ragged_dot_meta(recipe, int(call.rhs.shape[0]))
+  return init_dot_meta(recipe)
+
+
+def fp8_dot_call(call: DotCall, meta: DotMeta | RaggedDotMeta):
+  """The call computed by `fp8_dot_general` (or `fp8_ragged_dot`) with `meta`: (output as
+  the call gives it, new_meta). The operands are promoted to their common dtype first, as
+  the call would."""
   dtype = jnp.result_type(call.lhs, call.rhs)  # weak types promote as in the call
+  if call.kind == "ragged_dot":
+    y, new_meta = fp8_ragged_dot(call.lhs.astype(dtype), call.rhs.astype(dtype),
+                                 call.group_sizes, meta)
+    return y.astype(call.dtype), new_meta
   y, new_meta = fp8_dot_general(call.lhs.astype(dtype), call.rhs.astype(dtype), meta, call.dims)
   if call.permutation is not None:
     y = jnp.transpose(y, call.permutation)
@@ -183,5 +206,20 @@ def _matrix_product(kind, a, b, precision, preferred_element_type, options) -> D
   return DotCall(kind, a, b, dims, None, _dtype(a, b, preferred_element_type), blocker)
 
 
+def _read_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+                     **options) -> DotCall | None:
+  if not _arrays(lhs, rhs, group_sizes):
+    return None
+  blocker = _options_blocker(precision, preferred_element_type, **options)
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    blocker = blocker or (f"it is not x [M, K] by w [G, K, N] (x {tuple(lhs.shape)}, w "
+                          f"{tuple(rhs.shape)})")
+  elif jnp.shape(group_sizes) != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype,
+                                                                        jnp.integer):
+    blocker = blocker or "its group_sizes is not an integer array of one size per group"
+  return DotCall("ragged_dot", lhs, rhs, None, None, _dtype(lhs, rhs, preferred_element_type),
+                 blocker, group_sizes)
+
+
 _READERS = {"dot_general": _read_dot_general, "einsum": _read_einsum,
-            "matmul": _read_matmul, "dot": _read_dot}
+            "matmul": _read_matmul, "dot": _read_dot, "ragged_dot": _read_ragged_dot}

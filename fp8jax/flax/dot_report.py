@@ -11,7 +11,7 @@ import dataclasses
 import json
 
 # The kinds of dots a module calls itself (the others are dense layers).
-OP_KINDS = ("dot_general", "einsum", "matmul", "dot")
+OP_KINDS = ("dot_general", "einsum", "matmul", "dot", "ragged_dot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,7 @@ class DotRecord:
     path: module path; for a dot that a module calls itself, ending with the dot's
       name ("einsum_0").
     kind: "Dense", "DenseGeneral", "Einsum" (layers) or "dot_general", "einsum",
-      "matmul", "dot" (calls).
+      "matmul", "dot", "ragged_dot" (calls; a ragged_dot is the experts' grouped matmul).
     lhs_shape, rhs_shape: the input's and the kernel's (or second operand's) shape.
     k, n: the GEMM's contracting and output sizes.
     recipe: the recipe's class name when the dot runs in FP8, else None.

@@ -3,7 +3,7 @@
 A `Session` follows the module calls of the trace (Flax's method interceptor
 calls `enter` / `exit`) and sees every dot: a stock dense layer's call
 (`run_layer`, planned by `fp8jax.flax.intercept`) and every `lax.dot_general`,
-`jnp.einsum`, `jnp.matmul` and `jnp.dot` a module calls itself (`run_op`, routed
+`jnp.einsum`, `jnp.matmul`, `jnp.dot` and `lax.ragged_dot` a module calls itself (`run_op`, routed
 by `fp8jax.flax.op_routing`). Each dot is decided once by the rules and filters
 (`fp8jax.flax.rules`) and recorded for the report.
 
@@ -30,7 +30,7 @@ import warnings
 import flax.linen as nn
 from flax.core.tracers import current_trace
 
-from fp8jax.flax.dot_calls import fp8_dot_call, read_dot_call
+from fp8jax.flax.dot_calls import fp8_dot_call, init_call_meta, read_dot_call
 from fp8jax.flax.dot_report import DotRecord, Fp8Report
 from fp8jax.flax.layer_filter import LayerInfo, default_layer_filter
 from fp8jax.flax.linen import FP8_COLLECTION
@@ -155,7 +155,8 @@ class Session:
     if call.blocker is not None:
       return self._stays_high_precision(dot, call.blocker,
                                         self._pass_on(original, args, kwargs))
-    meta, why_not = self._read_state(frame, name, decision.recipe, dot)
+    meta, why_not = self._read_state(frame, name, decision.recipe, dot,
+                                     init=lambda recipe: init_call_meta(call, recipe))
     if meta is None:
       return self._stays_high_precision(dot, why_not, self._pass_on(original, args, kwargs))
     with self._fp8_op():
@@ -177,7 +178,8 @@ class Session:
   def _initializing(self, frame: _Frame) -> bool:
     return (frame.home or frame.module).is_initializing()
 
-  def _read_state(self, frame: _Frame, name: str, recipe, dot: LayerInfo):
+  def _read_state(self, frame: _Frame, name: str, recipe, dot: LayerInfo,
+                  init=init_dot_meta):
     """(the dot's state, None), made fresh where the collection is mutable; or (None, why)
     where no state can live; raises where the state should have been passed."""
     owner = (frame.home or frame.module).scope
@@ -193,7 +195,7 @@ class Session:
             f"made for recipe={meta.recipe}. Initialize fresh FP8 state for the new recipe "
             "(fp8_model.init) or convert it with fp8jax.resize_history.")
     elif scope.is_mutable_collection(FP8_COLLECTION):
-      meta = init_dot_meta(recipe)
+      meta = init(recipe)
       scope.put_variable(FP8_COLLECTION, name, meta)
     elif scope.root is not outer.root and (outer.is_mutable_collection(FP8_COLLECTION) or
                                            not outer.is_collection_empty(FP8_COLLECTION)):

@@ -62,14 +62,31 @@ def _set(variable: nnx.Variable, value) -> None:
     variable.value = value
 
 
-def _read(variable: nnx.Variable, where: str):
-  """The layer's FP8 state; differentiating it outside fp8jax's steps raises (see
-  `fp8jax.ops.guards`)."""
+def read_variable(variable: nnx.Variable, where: str):
+  """The FP8 state an `Fp8MetaVariable` holds, for this call's FP8 op.
+
+  Args:
+    variable: the layer's `Fp8MetaVariable`.
+    where: how an error names it, e.g. "of an Fp8Linear".
+
+  Returns:
+    The state (a `DotMeta`, `AttentionMeta` or `RaggedDotMeta`); differentiating it
+    outside fp8jax's steps raises (see `fp8jax.ops.guards`).
+  """
   return guard_fp8_state(_get(variable), where, fix=NNX_FIX)
 
 
-def _record(module, variable, new_meta) -> None:
-  """Stores `new_meta` unless the layer is in evaluation mode (`use_running_average`)."""
+def record_variable(module, variable, new_meta) -> None:
+  """Stores an op's new FP8 state in `variable`, unless `module` is in evaluation mode.
+
+  Args:
+    module: the layer (its `use_running_average`, which `model.eval()` sets, skips it).
+    variable: the layer's `Fp8MetaVariable`.
+    new_meta: the state the FP8 op returned.
+
+  Returns:
+    None.
+  """
   if not module.use_running_average:
     _set(variable, detach_outside_step(new_meta))
 
@@ -103,8 +120,8 @@ class Fp8Linear(nnx.Module):
     kernel = _get(self.kernel)
     bias = _get(self.bias) if self.bias is not None else None
     x, kernel, bias = nnx.nn.dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-    y, new_meta = fp8_dense(x, kernel, bias, _read(self.fp8_meta, "of an Fp8Linear"))
-    _record(self, self.fp8_meta, new_meta)
+    y, new_meta = fp8_dense(x, kernel, bias, read_variable(self.fp8_meta, "of an Fp8Linear"))
+    record_variable(self, self.fp8_meta, new_meta)
     return with_out_sharding(y, out_sharding)
 
 
@@ -131,9 +148,9 @@ class Fp8Einsum(nnx.Module):
     and `out_sharding` as for `nnx.Einsum`."""
     einsum_str = _one_equation(self.einsum_str, einsum_str)
     x, kernel = nnx.nn.dtypes.promote_dtype((inputs, _get(self.kernel)), dtype=self.dtype)
-    meta = _read(self.fp8_meta, "of an Fp8Einsum")
+    meta = read_variable(self.fp8_meta, "of an Fp8Einsum")
     y, new_meta = fp8_einsum(einsum_str, x, kernel, meta)
-    _record(self, self.fp8_meta, new_meta)
+    record_variable(self, self.fp8_meta, new_meta)
     return with_out_sharding(y, out_sharding)
 
 
@@ -177,9 +194,9 @@ class Fp8MultiHeadAttention(nnx.Module):
     kwargs = dict(causal=self.causal, q_segment_ids=q_segment_ids,
                   kv_segment_ids=kv_segment_ids, backend=self.backend)
     if self.use_fp8_attention:
-      meta = _read(self.attention_meta, "of an Fp8MultiHeadAttention")
+      meta = read_variable(self.attention_meta, "of an Fp8MultiHeadAttention")
       out, new_meta = fp8_attention(q, k, v, meta, **kwargs)
-      _record(self, self.attention_meta, new_meta)
+      record_variable(self, self.attention_meta, new_meta)
     else:
       out = attention(q, k, v, **kwargs)
     return self.out(out)
@@ -236,8 +253,9 @@ class Fp8LinearGeneral(nnx.Module):
     x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
     dims = ((axis, tuple(range(len(batch), len(batch) + len(axis)))),
             (batch, tuple(range(len(batch)))))
-    y, new_meta = fp8_dot_general(x, kernel, _read(self.fp8_meta, "of an Fp8LinearGeneral"), dims)
-    _record(self, self.fp8_meta, new_meta)
+    meta = read_variable(self.fp8_meta, "of an Fp8LinearGeneral")
+    y, new_meta = fp8_dot_general(x, kernel, meta, dims)
+    record_variable(self, self.fp8_meta, new_meta)
     if bias is not None:
       # y is [batch axes, x's other axes, out_features]; the bias varies along the batch axes.
       expanded = tuple(x.shape[a] if a in batch else 1 for a in range(x.ndim) if a not in axis)

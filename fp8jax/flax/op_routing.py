@@ -1,6 +1,7 @@
 """Routing the dot functions a model calls to a handler while it is traced.
 
-`lax.dot_general`, `jnp.einsum`, `jnp.matmul` and `jnp.dot` are looked up on
+`lax.dot_general`, `jnp.einsum`, `jnp.matmul`, `jnp.dot` and `lax.ragged_dot` (the
+grouped matmul of mixture-of-experts layers) are looked up on
 their modules when a model calls them (`from jax import lax; lax.dot_general(...)`,
 `jnp.einsum(...)`), so replacing those module attributes for the length of a
 trace reaches every such call, in Flax's layers and in code written without
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 
 # kind -> (module, attribute) of each function routed.
 _FUNCTIONS = {"dot_general": (jax.lax, "dot_general"), "einsum": (jnp, "einsum"),
-              "matmul": (jnp, "matmul"), "dot": (jnp, "dot")}
+              "matmul": (jnp, "matmul"), "dot": (jnp, "dot"),
+              "ragged_dot": (jax.lax, "ragged_dot")}
 
 # JAX's own functions, as imported (before any routing).
 ORIGINALS = {kind: getattr(module, name) for kind, (module, name) in _FUNCTIONS.items()}
