@@ -41,6 +41,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import varying
 from pallas_kernels.mosaic_target import MosaicTarget, pl, plgpu
 from pallas_kernels.ragged_tiling import (COMPUTE_WGS, STEP, WG_ROWS, RaggedMatmulBlockSizes,
                                           accumulate_steps, apply_rowwise_descales, cdiv,
@@ -49,7 +50,7 @@ from pallas_kernels.ragged_tiling import (COMPUTE_WGS, STEP, WG_ROWS, RaggedMatm
                                           copy_rowwise_descales, launch, max_row_items,
                                           persistent_ring, promote_steps, release,
                                           resolve_num_sms, ring_scratch, row_tile_schedule,
-                                          smem_bytes, store_rows, wait_ready)
+                                          smem_bytes, store_rows, wait_ready, zeros_varying)
 from pallas_kernels.smem_ring import slot_of, when
 
 # Becomes True once test_compiled_kernels_match_float64_on_hopper (tests/
@@ -200,7 +201,9 @@ def _run(a, b_t, group_sizes, a_descale, b_descale, *, p: _Problem, interpret):
                 num_items=sched.num_items, a=a, b_t=b_t, **scales)
   out = launch(functools.partial(_cta, p=p), inputs, p.scratch(),
                jax.ShapeDtypeStruct((p.m, p.n), p.out_dtype), p.num_ctas, interpret)
-  return out[:m_in]
+  # Inside shard_map the output varies along every axis an input varies along (plgpu
+  # kernels leave their outputs' types unchecked and plain: typed here).
+  return varying.vary(out[:m_in], varying.varying_axes(inputs))
 
 
 def _check(a, b_t, group_sizes, a_descale, b_descale, scale_mode, out_dtype, block_sizes):
@@ -297,6 +300,9 @@ def ragged_matmul_reference(a: jax.Array, b_t: jax.Array, group_sizes: jax.Array
   chunks = cdiv(k, STEP)
   rows = cdiv(m, bm) * bm
   sched = row_tile_schedule(group_sizes, m, bm)
+  # Inside shard_map, what the loops build differs per device as the inputs do.
+  zeros = functools.partial(zeros_varying, axes=varying.varying_axes(
+      a, b_t, group_sizes, a_descale, b_descale))
   a_rows = jnp.pad(a, ((0, rows - m), (0, chunks * STEP - k)))
   b_all = jnp.pad(b_t, ((0, 0), (0, 0), (0, chunks * STEP - k)))
   if scale_mode == "rowwise":
@@ -327,7 +333,7 @@ def ragged_matmul_reference(a: jax.Array, b_t: jax.Array, group_sizes: jax.Array
       scale = (lax.dynamic_index_in_dim(a_s, c, 1, keepdims=False)[:, None]
                * lax.dynamic_index_in_dim(b_descale[gi], c, 1, keepdims=False)[None, :])
       return acc + partial * scale, None
-    return lax.scan(promote, jnp.zeros((bm, n), jnp.float32), jnp.arange(chunks))[0]
+    return lax.scan(promote, zeros((bm, n)), jnp.arange(chunks))[0]
 
   def visit(i, out):
     seg, r0 = sched.group[i], sched.m_tile[i] * bm
@@ -337,11 +343,11 @@ def ragged_matmul_reference(a: jax.Array, b_t: jax.Array, group_sizes: jax.Array
     # The tail (seg == G) is zero and the schedule's padding (seg == -1) holds nothing:
     # neither computes a product.
     y = lax.cond((seg >= 0) & (seg < g), lambda: product(jnp.clip(seg, 0, g - 1), r0),
-                 lambda: jnp.zeros((bm, n), jnp.float32))
+                 lambda: zeros((bm, n)))
     y = jnp.where(keep[:, None], y, 0.0)
     return lax.dynamic_update_slice_in_dim(out, lax.dynamic_slice_in_dim(out, r0, bm) + y,
                                            r0, 0)
 
   # A static trip count (a scan): differentiable, and vmap-able over group_sizes.
-  out = lax.fori_loop(0, sched.group.shape[0], visit, jnp.zeros((rows, n), jnp.float32))
+  out = lax.fori_loop(0, sched.group.shape[0], visit, zeros((rows, n)))
   return out[:m].astype(out_dtype)

@@ -37,6 +37,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import varying
 from pallas_kernels.mosaic_target import (MosaicTarget, interpret_params, pl, plgpu,
                                           swizzle_transforms)
 from pallas_kernels.smem_ring import drain_ring, stream_steps, when
@@ -520,3 +521,9 @@ def resolve_num_sms(num_sms, interpret) -> int:
   except RuntimeError:  # no GPU backend: a deviceless compile
     count = None
   return int(count) if count else H100_SXM_SMS
+
+
+def zeros_varying(shape, axes) -> jax.Array:
+  """float32 zeros typed as varying along `axes` (inside shard_map; plain elsewhere): the
+  jnp references' accumulators, which differ per device as their inputs do."""
+  return varying.vary(jnp.zeros(shape, jnp.float32), axes)

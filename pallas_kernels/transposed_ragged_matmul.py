@@ -41,6 +41,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import varying
 from pallas_kernels.mosaic_target import MosaicTarget, pl, plgpu
 from pallas_kernels.ragged_tiling import (STEP, WG_ROWS, TransposedRaggedMatmulBlockSizes,
                                           accumulate_steps, apply_rowwise_descales, cdiv,
@@ -49,7 +50,8 @@ from pallas_kernels.ragged_tiling import (STEP, WG_ROWS, TransposedRaggedMatmulB
                                           copy_rowwise_descales, launch, mask_f8_columns,
                                           persistent_ring, promote_steps, release,
                                           resolve_num_sms, ring_scratch, row_tile_schedule,
-                                          smem_bytes, token_block_schedule, wait_ready)
+                                          smem_bytes, token_block_schedule, wait_ready,
+                                          zeros_varying)
 from pallas_kernels.smem_ring import slot_of, when
 
 _FN = "transposed_ragged_matmul"
@@ -161,9 +163,12 @@ def _run(a_t, b_t, group_sizes, a_descale, b_descale, *, p: _Problem, interpret)
     scales = dict(a_descale_t=a_descale_t, b_descale_t=b_descale_t)
   inputs = dict(offsets=sched.offsets, first_block=sched.first_block,
                 num_blocks=sched.num_blocks, a_t=a_t, b_t=b_t, **scales)
-  return launch(functools.partial(_cta, p=p), inputs, p.scratch(),
+  out = launch(functools.partial(_cta, p=p), inputs, p.scratch(),
                 jax.ShapeDtypeStruct((p.groups, p.ka, p.nb), p.out_dtype), p.num_ctas,
                 interpret)
+  # Inside shard_map the output varies along every axis an input varies along (plgpu
+  # kernels leave their outputs' types unchecked and plain: typed here).
+  return varying.vary(out, varying.varying_axes(inputs))
 
 
 def _check(a_t, b_t, group_sizes, a_descale, b_descale, scale_mode, out_dtype, block_sizes):
@@ -264,6 +269,9 @@ def transposed_ragged_matmul_reference(
   pad = ((0, 0), (0, tokens - m))
   a_all, b_all = jnp.pad(a_t, pad), jnp.pad(b_t, pad)
   sched = row_tile_schedule(group_sizes, m, STEP)
+  # Inside shard_map, what the loops build differs per device as the inputs do.
+  zeros = functools.partial(zeros_varying, axes=varying.varying_axes(
+      a_t, b_t, group_sizes, a_descale, b_descale))
 
   def product(seg, t0):
     """float32 [Ka, Nb]: token block [t0, t0 + 128) of group seg, descaled per block."""
@@ -288,12 +296,12 @@ def transposed_ragged_matmul_reference(
     # The tail segment (seg == G) belongs to no group and the schedule's padding
     # (seg == -1) holds nothing: no product.
     partial = lax.cond((seg >= 0) & (seg < g), lambda: product(gi, t0),
-                       lambda: jnp.zeros((ka, nb), jnp.float32))
+                       lambda: zeros((ka, nb)))
     return lax.dynamic_update_index_in_dim(
         out, lax.dynamic_index_in_dim(out, gi, 0, keepdims=False) + partial, gi, 0)
 
   # A static trip count (a scan): differentiable, and vmap-able over group_sizes.
-  out = lax.fori_loop(0, sched.group.shape[0], visit, jnp.zeros((g, ka, nb), jnp.float32))
+  out = lax.fori_loop(0, sched.group.shape[0], visit, zeros((g, ka, nb)))
   if scale_mode == "tensor":
     out = out * (a_descale * b_descale)
   elif scale_mode == "rowwise":

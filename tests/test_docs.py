@@ -199,7 +199,8 @@ DOCUMENTED_MODULES = ["fp8jax", "fp8jax.flax", "fp8jax.flax.linen", "fp8jax.flax
                       "fp8jax.checkpoint", "fp8jax.sharding", "fp8jax.lowering",
                       "fp8jax.deviceless", "fp8jax.attention_backend", "fp8jax.fused_kernels",
                       "fp8jax.telemetry", "fp8jax.optim", "fp8jax.flax.linen_moe",
-                      "fp8jax.flax.nnx_moe", "fp8jax.ops.moe_routing", "fp8jax.models.gpt",
+                      "fp8jax.flax.nnx_moe", "fp8jax.ops.moe_routing",
+                      "fp8jax.ops.expert_parallel", "fp8jax.models.gpt",
                       "fp8jax.data",
                       "fp8jax.runs"]
 

@@ -43,6 +43,7 @@ from fp8jax.core.meta import (Fp8Meta, RaggedDotMeta, amaxes_unbatched_like,
 from fp8jax.core.quantize import (amax, max_by_bits, quantize, round_down_to_power_of_two,
                                   scale_from_window)
 from fp8jax.core.validation import check_floating
+from fp8jax.mesh.axes import match_operand_axes, vary, varying_axes
 from fp8jax.mesh.partitioning import vmapped_as
 from fp8jax.ops.cast import cast_scale
 from fp8jax.ops.fused_kernels import cast_transpose_amax, kernels_allowed
@@ -77,8 +78,12 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   refuse_split_state(meta, "meta")
   check_ragged_dot_meta(meta, w.shape[0])
   check_threaded(meta, "fp8_ragged_dot", init="fp8jax.init_ragged_dot_meta")
+  # Inside shard_map: the operands and the state alike device-varying (fp8jax.mesh.axes).
+  group_sizes = group_sizes.astype(jnp.int32)
+  x, w, meta = match_operand_axes(x, w, meta)
+  group_sizes = vary(group_sizes, varying_axes(x))
   with reverse_mode_only("An FP8 grouped matmul (fp8jax.fp8_ragged_dot)", "jax.lax.ragged_dot"):
-    return _ragged(x, w, group_sizes.astype(jnp.int32), meta, jnp.dtype(w.dtype))
+    return _ragged(x, w, group_sizes, meta, jnp.dtype(w.dtype))
 
 
 def check_group_sizes(group_sizes, num_groups: int, rows: int) -> None:
