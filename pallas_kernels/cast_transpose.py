@@ -14,11 +14,16 @@ where `saturate(y) = clip(y, -fp8_max, fp8_max)` rounded to nearest even, the
 product formed in float32; NaN stays NaN, +-inf saturates to +-fp8_max. A NaN in x
 makes amax_out NaN.
 
-Tiling: a 2-D grid, one program per [block_rows, block_cols] tile of X. A program
-loads its tile once, writes the Q tile and the transposed tile of Q^T, and folds the
-tile's max|x| into the single float32 amax with an atomic max. The amax buffer is
-`amax_in` itself (an input/output alias), so no kernel runs before this one to
-initialise it.
+Tiling (`pallas_kernels.cast_transpose_tiling`): a 2-D grid, one program per
+[block_rows, block_cols] tile of X. A program loads its tile once, writes the Q tile
+and the transposed tile of Q^T, and folds the tile's max|x| into the single float32
+amax with an atomic max. The amax buffer is `amax_in` itself (an input/output alias),
+so no kernel runs before this one to initialise it, unless XLA must keep amax_in
+(a jit parameter, a constant): then it copies it first, a launch for 4 bytes.
+`cast_transpose_amax_in_chain` avoids that in a chain of launches (an FP8 layer's
+casts): the first writes its tiles' maxima, one slot per program, which needs no
+initialised buffer; one program of a later launch reduces them and writes zeroed
+buffers that the launches after it max into.
 
 The amax is exact and propagates NaN on every backend because it is reduced on bit
 patterns: for a float32 with the sign bit cleared (|x|), the IEEE bit pattern read as
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +59,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
+                                                  tile_count, tile_mask, tile_maxima,
+                                                  tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
 
 FP8_MAX = {
@@ -61,90 +70,6 @@ FP8_MAX = {
 }
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
-# Clears the sign bit of a float32's bit pattern: |x| without a float operation.
-_ABS_MASK = 0x7FFFFFFF
-# The smallest tile edge: Triton tensors have power-of-two dimensions, and 16 keeps
-# every layout (16-byte vectors, the transpose through shared memory) regular.
-_MIN_BLOCK = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class CastTransposeBlockSizes:
-  """Tile sizes and Triton launch knobs of the cast-transpose-amax kernels.
-
-  The kernel is memory bound: per element it reads 2 bytes (bf16) and writes 2 (Q and
-  Q^T) with a handful of ALU operations, so the tile is chosen for full-width memory
-  accesses and enough programs in flight:
-
-  * block_cols=128: a row of the X tile is 256 contiguous bytes of bf16 and a row of the
-    Q tile 128 bytes (a cache line). The compiled loads of X and the stores of Q and
-    Q^T are all 16 bytes wide (`ld.global.v4.b32` / `st.global.v4.b32`, deviceless
-    sm_90a compile of tile-aligned shapes).
-  * block_rows=64: a row of the Q^T tile is 64 contiguous bytes (two 32-byte sectors).
-  * num_warps=4: 128 threads, 64 elements each. Triton transposes the bf16 tile through
-    shared memory (`ldmatrix...trans`, 16 KiB) and recomputes the cast for Q^T;
-    127 registers, no spills.
-  * num_stages=1: the kernel has no loop, so Triton has nothing to software-pipeline.
-
-  Measured on one H100 (jax 0.11.2, bf16 -> e4m3, per call, 16 chained calls on
-  distinct inputs): [8192, 8192] 124-137 us (about 2 TB/s counting 4 bytes per
-  element) against 237-241 us for XLA's four kernels; [2048, 2048] 29-34 us against
-  42-45 us. 64x128 with 4 warps was the best or within noise of the best of the tiles
-  tried (32x128, 64x64, 128x64, 64x128 with 8 warps, 32x256, 128x128 with 8 warps, the
-  last 5-15% slower at 8192); the spread between them is about 10%.
-
-  Attributes:
-    block_rows: rows of X per program (a power of two >= 16).
-    block_cols: columns of X per program (a power of two >= 16).
-    num_warps: Triton warps per program.
-    num_stages: Triton software-pipeline depth.
-  """
-
-  block_rows: int = 64
-  block_cols: int = 128
-  num_warps: int = 4
-  num_stages: int = 1
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"CastTransposeBlockSizes.{field.name}={value!r} must be a positive int.")
-      if field.name.startswith("block") and (value < _MIN_BLOCK or value & (value - 1)):
-        raise ValueError(
-            f"CastTransposeBlockSizes.{field.name}={value} must be a power of two >= "
-            f"{_MIN_BLOCK} (Triton tiles have power-of-two shapes), e.g. 64 or 128.")
-    if self.num_warps & (self.num_warps - 1):
-      raise ValueError(
-          f"CastTransposeBlockSizes.num_warps={self.num_warps} must be a power of two "
-          "(Triton's layouts require it), e.g. 4 or 8.")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-  """Static facts a program needs: the true shape, its tile, and which edges to mask."""
-
-  rows: int
-  cols: int
-  block_rows: int
-  block_cols: int
-
-  @property
-  def row_tail(self) -> bool:
-    """Whether the last row tile reaches past `rows` (its extra rows are masked)."""
-    return self.rows % self.block_rows != 0
-
-  @property
-  def col_tail(self) -> bool:
-    """Whether the last column tile reaches past `cols`."""
-    return self.cols % self.block_cols != 0
-
-  @property
-  def grid(self) -> tuple[int, int]:
-    return (pl.cdiv(self.rows, self.block_rows), pl.cdiv(self.cols, self.block_cols))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Cast:
   """The FP8 target of the cast, and whether the transposed copy is written."""
@@ -152,39 +77,6 @@ class _Cast:
   dtype: jnp.dtype
   max: float
   transpose: bool
-
-
-def _fit(block: int, length: int) -> int:
-  """The tile edge for a dimension of `length`: never far past the dimension."""
-  return min(block, max(_MIN_BLOCK, 1 << (length - 1).bit_length()))
-
-
-def _tiling(shape: tuple[int, int], block_sizes: CastTransposeBlockSizes) -> _Tiling:
-  rows, cols = shape
-  return _Tiling(rows=rows, cols=cols, block_rows=_fit(block_sizes.block_rows, rows),
-                 block_cols=_fit(block_sizes.block_cols, cols))
-
-
-# ---------------------------------------------------------------------------
-# The kernel.
-# ---------------------------------------------------------------------------
-
-
-def _tile_mask(tiling: _Tiling):
-  """Boolean [block_rows, block_cols] of in-range elements, or None when all are."""
-  mask = None
-  if tiling.row_tail:
-    rows = (pl.program_id(0) * tiling.block_rows
-            + lax.broadcasted_iota(jnp.int32, (tiling.block_rows, 1), 0))
-    mask = rows < tiling.rows
-  if tiling.col_tail:
-    cols = (pl.program_id(1) * tiling.block_cols
-            + lax.broadcasted_iota(jnp.int32, (1, tiling.block_cols), 1))
-    col_mask = cols < tiling.cols
-    mask = col_mask if mask is None else jnp.logical_and(mask, col_mask)
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, (tiling.block_rows, tiling.block_cols))
-  return mask
 
 
 def _saturate(y, fp8_max: float):
@@ -198,11 +90,34 @@ def _saturate(y, fp8_max: float):
   return jnp.where(y < -fp8_max, -fp8_max, y)
 
 
-def _kernel(*refs, tiling: _Tiling, cast: _Cast | None, partners: int):
+@dataclasses.dataclass(frozen=True)
+class _Amax:
+  """How one launch makes its amax (static).
+
+  accumulate: "in_place": the programs max into amax_in's own buffer (aliased);
+    "accumulator": into a zeroed buffer an earlier launch wrote (aliased), one
+    program folding amax_in in; "tiles": each program writes its tile's max to
+    its own slot, so no buffer has to be initialised before the launch.
+  reduce: also reduce an earlier launch's tile maxima with their running amax.
+  seeds: how many zeroed float32 buffers to write for later launches' accumulators.
+  """
+
+  accumulate: str = "in_place"
+  reduce: bool = False
+  seeds: int = 0
+
+
+# Tile maxima an earlier launch wrote are reduced this many at a time by one program.
+_REDUCE_CHUNK = 1024
+
+
+def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Amax):
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
-  Refs: x, [scale], [descale, partner x `partners`], amax_in (aliased to
-  amax_out, unused), [q], [q_t], [product x `partners`], amax_out.
+  Refs: x, [scale], [descale, partner x `partners`], [amax_in], [accumulator],
+  [tiles_in, tiles_running], then [q], [q_t], [product x `partners`], amax_out,
+  [reduced], [seed x `seeds`]. amax_out is amax_in's buffer ("in_place"), the
+  accumulator's ("accumulator") or one slot per program ("tiles").
   """
   refs = list(refs)
   x_ref = refs.pop(0)
@@ -210,20 +125,38 @@ def _kernel(*refs, tiling: _Tiling, cast: _Cast | None, partners: int):
   if partners:
     descale_ref = refs.pop(0)
     partner_refs = [refs.pop(0) for _ in range(partners)]
-  refs.pop(0)  # amax_in: the same buffer as amax_out
+  amax_in_ref = refs.pop(0) if amax.accumulate != "tiles" else None
+  if amax.accumulate == "accumulator":
+    refs.pop(0)  # the accumulator: the same buffer as amax_out
+  if amax.reduce:
+    tiles_in_ref, tiles_running_ref = refs.pop(0), refs.pop(0)
   q_ref = refs.pop(0) if cast is not None else None
   q_t_ref = refs.pop(0) if cast is not None and cast.transpose else None
   product_refs = [refs.pop(0) for _ in range(partners)]
-  (amax_ref,) = refs
+  amax_ref = refs.pop(0)
+  reduced_ref = refs.pop(0) if amax.reduce else None
+  seed_refs = refs
+  first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
   if partners:
-    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    @pl.when(first)
     def _():
       # The GEMMs' combined descales, capped at the largest float32 so that an
       # all-zero row times an overflowing product stays 0 instead of NaN.
       for partner_ref, product_ref in zip(partner_refs, product_refs):
         product_ref[...] = jnp.minimum(descale_ref[...] * partner_ref[...], _F32_MAX)
+  if amax.reduce or amax.seeds or amax.accumulate == "accumulator":
+    @pl.when(first)
+    def _():
+      # One program writes what earlier launches left to reduce and what later
+      # launches will accumulate into: no other kernel initialises a buffer.
+      if amax.reduce:
+        reduced_ref[0] = _reduce_tiles(tiles_in_ref, tiles_running_ref[0])
+      for seed_ref in seed_refs:
+        seed_ref[0] = jnp.float32(0)
+      if amax.accumulate == "accumulator":
+        plgpu.atomic_max(amax_ref, jnp.int32(0), amax_in_ref[0])
 
-  mask = _tile_mask(tiling)
+  mask = tile_mask(tiling)
   if mask is None:
     x = x_ref[...]
   else:
@@ -231,9 +164,12 @@ def _kernel(*refs, tiling: _Tiling, cast: _Cast | None, partners: int):
     x = plgpu.load(x_ref, mask=mask, other=0)
   x = x.astype(jnp.float32)  # exact for bf16 / f16 inputs
 
-  magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
+  magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
   tile_amax = lax.bitcast_convert_type(jnp.max(magnitude_bits), jnp.float32)
-  plgpu.atomic_max(amax_ref, jnp.int32(0), tile_amax)
+  if amax.accumulate == "tiles":
+    amax_ref[0] = tile_amax
+  else:
+    plgpu.atomic_max(amax_ref, jnp.int32(0), tile_amax)
 
   if cast is None:
     return
@@ -250,37 +186,69 @@ def _store(ref, value, mask):
     plgpu.store(ref, value, mask=mask)
 
 
-def _call(x, scale, amax_in, descale=None, partners=None, *, cast: _Cast | None,
-          block_sizes: CastTransposeBlockSizes, interpret: bool):
+def _reduce_tiles(tiles_ref, running):
+  """max(running, max(tiles)) on bit patterns (amaxes are >= 0 or NaN), a chunk at a time."""
+  count = tiles_ref.shape[0]
+
+  def chunk(c, best):
+    index = c * _REDUCE_CHUNK + lax.iota(jnp.int32, _REDUCE_CHUNK)
+    values = plgpu.load(tiles_ref.at[index], mask=index < count, other=0.0)
+    return jnp.maximum(best, jnp.max(lax.bitcast_convert_type(values, jnp.int32)))
+
+  best = lax.fori_loop(0, pl.cdiv(count, _REDUCE_CHUNK), chunk,
+                       lax.bitcast_convert_type(running, jnp.int32))
+  return lax.bitcast_convert_type(best, jnp.float32)
+
+
+def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None, *,
+          cast: _Cast | None, amax: _Amax, block_sizes: CastTransposeBlockSizes,
+          interpret: bool):
   """Runs the kernel over all tiles of x.
 
-  Returns (q, q_t, amax_out, products): q None without a cast, products None
-  without partners.
+  Returns (q, q_t, amax_out, products, reduced, seeds): q None without a cast,
+  products None without partners, amax_out float32[] or (`amax.accumulate ==
+  "tiles"`) float32[tile_count], reduced None unless `amax.reduce`, seeds a tuple.
   """
-  tiling = _tiling(x.shape, block_sizes)
+  tiling = tiling_for(x.shape, block_sizes)
   rows, cols = x.shape
   block = (tiling.block_rows, tiling.block_cols)
   # Scalars travel as [1] arrays (a free reshape in XLA): the interpreter's atomics
   # need an index into the ref.
   scalar_spec = pl.BlockSpec((1,), lambda i, j: (0,))
   tile_spec = pl.BlockSpec(block, lambda i, j: (i, j))
-  in_specs = [tile_spec, scalar_spec]
-  # Inside shard_map: the amax is written in place, so its input carries the type
-  # of max(amax_in, max|x|); every other output varies as what it is computed from.
-  check_summed(x, scale, amax_in, descale, partners)
-  amax_in = vary(amax_in, varying_axes(x, amax_in))
-  operands = [x, amax_in.reshape(1)]
-  out_specs, out_shape = [], []
-  n_partners = 0 if partners is None else len(partners)
   # 0-d blocks: the GEMM reads each product as its scalar operand directly (a [1]
   # array would need a reshape XLA puts between converts, costing a kernel).
   rank0_spec = pl.BlockSpec((), lambda i, j: ())
-  if n_partners:
-    in_specs[1:1] = [rank0_spec] * (1 + n_partners)
-    operands[1:1] = [descale, *partners]
+  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles)
+  # Inside shard_map: a buffer written in place gives its type to the output, so it
+  # carries that of max(amax_in, max|x|); every other output varies as what it is
+  # computed from.
+  amax_axes = varying_axes(x, amax_in, accumulator)
+  if amax.accumulate == "in_place" and amax_in is not None:
+    amax_in = vary(amax_in, amax_axes)
+  operands, in_specs = [x], [tile_spec]
   if cast is not None:
-    in_specs.insert(1, scalar_spec)
-    operands.insert(1, scale.reshape(1))
+    operands.append(scale.reshape(1))
+    in_specs.append(scalar_spec)
+  n_partners = 0 if partners is None else len(partners)
+  if n_partners:
+    operands += [descale, *partners]
+    in_specs += [rank0_spec] * (1 + n_partners)
+  if amax.accumulate != "tiles":  # tile maxima leave amax_in to the launch reducing them
+    operands.append(amax_in.reshape(1))
+    in_specs.append(scalar_spec)
+  aliased = len(operands) - 1
+  if amax.accumulate == "accumulator":
+    operands.append(vary(accumulator, amax_axes).reshape(1))
+    in_specs.append(scalar_spec)
+    aliased = len(operands) - 1
+  if amax.reduce:
+    tiles_in, tiles_running = tiles
+    operands += [tiles_in, tiles_running.reshape(1)]
+    in_specs += [pl.BlockSpec(tiles_in.shape, lambda i, j: (0,)), scalar_spec]
+
+  out_specs, out_shape = [], []
+  if cast is not None:
     out_specs.append(tile_spec)
     cast_axes = varying_axes(x, scale)
     out_shape.append(out_struct((rows, cols), cast.dtype, cast_axes))
@@ -290,32 +258,49 @@ def _call(x, scale, amax_in, descale=None, partners=None, *, cast: _Cast | None,
   out_specs += [rank0_spec] * n_partners
   out_shape += [out_struct((), jnp.float32, varying_axes(descale, partner))
                 for partner in partners or ()]
-  out_specs.append(scalar_spec)
-  out_shape.append(out_struct((1,), jnp.float32, varying_axes(amax_in)))
+  amax_at = len(out_shape)
+  if amax.accumulate == "tiles":
+    grid_cols = tiling.grid[1]
+    out_specs.append(pl.BlockSpec((1,), lambda i, j: (i * grid_cols + j,)))
+    out_shape.append(out_struct((tile_count(x.shape, block_sizes),), jnp.float32,
+                                varying_axes(x)))
+    aliases = {}
+  else:
+    out_specs.append(scalar_spec)
+    out_shape.append(out_struct((1,), jnp.float32, varying_axes(operands[aliased])))
+    # The programs atomically max into the aliased buffer in place.
+    aliases = {aliased: amax_at}
+  if amax.reduce:
+    out_specs.append(scalar_spec)
+    out_shape.append(out_struct((1,), jnp.float32, varying_axes(*tiles)))
+  out_specs += [scalar_spec] * amax.seeds
+  out_shape += [out_struct((1,), jnp.float32)] * amax.seeds
   outs = pl.pallas_call(
-      functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners),
+      functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners, amax=amax),
       grid=tiling.grid,
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      # amax_in is the amax accumulator: the programs atomically max into it in place.
-      input_output_aliases={len(operands) - 1: len(out_shape) - 1},
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
                                            num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="cast_transpose_amax" if cast is not None else "amax",
   )(*operands)
-  amax_out = outs[-1].reshape(())
-  products = tuple(outs[-1 - n_partners:-1]) if n_partners else None
-  if cast is None:
-    return None, None, amax_out, products
-  return outs[0], (outs[1] if cast.transpose else None), amax_out, products
+  amax_out = outs[amax_at] if amax.accumulate == "tiles" else outs[amax_at].reshape(())
+  products = tuple(outs[amax_at - n_partners:amax_at]) if n_partners else None
+  reduced = outs[amax_at + 1].reshape(()) if amax.reduce else None
+  seeds = tuple(s.reshape(()) for s in outs[len(outs) - amax.seeds:]) if amax.seeds else ()
+  q = outs[0] if cast is not None else None
+  q_t = outs[1] if cast is not None and cast.transpose else None
+  return q, q_t, amax_out, products, reduced, seeds
 
 
-@functools.partial(jax.jit, static_argnames=("cast", "block_sizes", "interpret"))
-def _call_jit(x, scale, amax_in, descale=None, partners=None, *, cast, block_sizes, interpret):
-  return _call(x, scale, amax_in, descale, partners, cast=cast, block_sizes=block_sizes,
-               interpret=interpret)
+@functools.partial(jax.jit, static_argnames=("cast", "amax", "block_sizes", "interpret"))
+def _call_jit(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None, *,
+              cast, amax=_Amax(), block_sizes, interpret):
+  return _call(x, scale, amax_in, descale, partners, accumulator, tiles, cast=cast, amax=amax,
+               block_sizes=block_sizes, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -365,9 +350,9 @@ def cast_transpose_amax(
   _check_block_sizes(block_sizes)
   cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
   descale, partner_descales = _check_products(descale, partner_descales)
-  q, q_t, amax_out, products = _call_jit(x, scale, amax_in, descale, partner_descales,
-                                         cast=cast, block_sizes=block_sizes,
-                                         interpret=interpret)
+  q, q_t, amax_out, products, _, _ = _call_jit(x, scale, amax_in, descale, partner_descales,
+                                               cast=cast, block_sizes=block_sizes,
+                                               interpret=interpret)
   return (q, q_t, amax_out) if products is None else (q, q_t, amax_out, products)
 
 
@@ -394,6 +379,117 @@ def amax(
   _check_block_sizes(block_sizes)
   return _call_jit(x, None, amax_in, cast=None, block_sizes=block_sizes,
                    interpret=interpret)[2]
+
+
+class ChainedCast(NamedTuple):
+  """What `cast_transpose_amax_in_chain` returns.
+
+  Attributes:
+    q, q_t: the FP8 copy [R, C] and its transpose [C, R] (None without `transpose`).
+    amax: float32[] max(amax_in, max|x|); with `tile_amaxes`, float32[tile_count] the
+      maxima of the tiles (each program's), for a later launch to reduce.
+    products: the GEMMs' combined descales (None without `partner_descales`).
+    reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
+    seeds: `seeds` float32[] zeros, each an accumulator for a later launch.
+  """
+
+  q: jax.Array
+  q_t: jax.Array | None
+  amax: jax.Array
+  products: tuple | None
+  reduced: jax.Array | None
+  seeds: tuple
+
+
+def cast_transpose_amax_in_chain(
+    x: jax.Array, scale: jax.Array, amax_in: jax.Array | None, *, fp8_dtype, fp8_max: float,
+    transpose: bool = True, descale: jax.Array | None = None,
+    partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
+    tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
+    block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
+    interpret: bool = False,
+) -> ChainedCast:
+  """`cast_transpose_amax` as one launch of a chain that initialises no buffer.
+
+  The kernel's programs fold their tiles' maxima into one float32 with atomics, so
+  that buffer must hold its start value before the launch. Given amax_in itself
+  (`cast_transpose_amax`), XLA copies it first wherever it cannot be overwritten (a
+  jit parameter, a constant, a value read again): a kernel launch for 4 bytes. In a
+  chain of launches (an FP8 layer's casts) nothing runs for it:
+
+  * the first launch writes one maximum per tile (`tile_amaxes=True`), which needs
+    no initialised buffer, and leaves amax_in (pass None) to a later launch;
+  * a later launch reduces them with that running amax (`reduce=(tiles, running)`);
+  * a launch writes zeroed buffers (`seeds=n`) that later launches accumulate into
+    (`accumulator=`), folding their own amax_in in.
+
+  Each of these extra values is written by one program of a launch that runs anyway.
+
+  Args:
+    x, scale, fp8_dtype, fp8_max, transpose, descale, partner_descales, block_sizes,
+      interpret: as for `cast_transpose_amax`.
+    amax_in: float32[] running amax (>= 0 or NaN); None with `tile_amaxes`.
+    accumulator: float32[] holding 0 (a seed of an earlier launch): the amax is
+      max(amax_in, max|x|) written into its buffer in place.
+    tile_amaxes: return the maxima of the tiles instead of one amax.
+    reduce: (tiles float32[T], running float32[]) of an earlier launch: also return
+      max(running, max(tiles)).
+    seeds: how many float32[] zeros to return (0 to 4).
+
+  Returns:
+    A `ChainedCast`.
+  """
+  _check_x(x)
+  fp8_dtype = _check_fp8(fp8_dtype, fp8_max)
+  scale = _scalar_f32(scale, "scale")
+  _check_flag(transpose, "transpose")
+  _check_flag(interpret, "interpret")
+  _check_flag(tile_amaxes, "tile_amaxes")
+  _check_block_sizes(block_sizes)
+  accumulate, amax_in, accumulator = _check_accumulation(amax_in, accumulator, tile_amaxes)
+  tiles = _check_reduce(reduce)
+  if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 <= seeds <= 4:
+    raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
+  cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
+  descale, partner_descales = _check_products(descale, partner_descales)
+  amax = _Amax(accumulate=accumulate, reduce=tiles is not None, seeds=seeds)
+  return ChainedCast(*_call_jit(x, scale, amax_in, descale, partner_descales, accumulator,
+                                tiles, cast=cast, amax=amax, block_sizes=block_sizes,
+                                interpret=interpret))
+
+
+def cast_transpose_amax_in_chain_reference(
+    x: jax.Array, scale: jax.Array, amax_in: jax.Array | None, *, fp8_dtype, fp8_max: float,
+    transpose: bool = True, descale: jax.Array | None = None,
+    partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
+    tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
+    block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
+) -> ChainedCast:
+  """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
+  _check_x(x)
+  _check_flag(tile_amaxes, "tile_amaxes")
+  _check_block_sizes(block_sizes)
+  accumulate, amax_in, accumulator = _check_accumulation(amax_in, accumulator, tile_amaxes)
+  tiles = _check_reduce(reduce)
+  start = jnp.float32(0) if accumulate == "tiles" else amax_in
+  if accumulate == "accumulator":
+    start = _bits_max(accumulator, amax_in)
+  q, q_t, amax_out, *products = cast_transpose_amax_reference(
+      x, scale, start, fp8_dtype=fp8_dtype, fp8_max=fp8_max, transpose=transpose,
+      descale=descale, partner_descales=partner_descales)
+  if tile_amaxes:
+    amax_out = tile_maxima(x, block_sizes)
+  reduced = _bits_max(tiles[1], tiles[0]) if tiles is not None else None
+  return ChainedCast(q, q_t, amax_out, products[0] if products else None, reduced,
+                     (jnp.float32(0),) * seeds)
+
+
+def _bits_max(*values):
+  """The max of float32 amaxes (>= 0 or NaN; scalars or vectors) on their bit
+  patterns, where NaN sorts above inf."""
+  flat = jnp.concatenate([jnp.ravel(jnp.asarray(v, jnp.float32)) for v in values])
+  return lax.bitcast_convert_type(jnp.max(lax.bitcast_convert_type(flat, jnp.int32)),
+                                  jnp.float32)
 
 
 def cast_transpose_amax_reference(
@@ -474,6 +570,34 @@ def _check_products(descale, partner_descales):
   partners = tuple(_scalar_f32(p, f"partner_descales[{i}]")
                    for i, p in enumerate(partner_descales))
   return _scalar_f32(descale, "descale"), partners
+
+
+def _check_accumulation(amax_in, accumulator, tile_amaxes):
+  """(how the launch accumulates, amax_in, accumulator), checked."""
+  if tile_amaxes:
+    if amax_in is not None or accumulator is not None:
+      raise ValueError("tile_amaxes=True writes each tile's maximum and reads no running "
+                       "amax: pass amax_in=None and no accumulator, and give the running "
+                       "amax to the launch that reduces the tiles (reduce=(tiles, amax_in)).")
+    return "tiles", None, None
+  amax_in = _scalar_f32(amax_in, "amax_in")
+  if accumulator is None:
+    return "in_place", amax_in, None
+  return "accumulator", amax_in, _scalar_f32(accumulator, "accumulator")
+
+
+def _check_reduce(reduce):
+  """(tiles float32[T], running float32[]) or None."""
+  if reduce is None:
+    return None
+  if not isinstance(reduce, (tuple, list)) or len(reduce) != 2:
+    raise ValueError("reduce must be (tiles, running): an earlier launch's tile maxima and "
+                     f"its running amax; got {type(reduce).__name__}.")
+  tiles, running = reduce
+  if jnp.ndim(tiles) != 1 or jnp.size(tiles) == 0 or jnp.result_type(tiles) != jnp.float32:
+    raise ValueError(f"reduce[0] must be a non-empty float32 vector of tile maxima, got shape "
+                     f"{jnp.shape(tiles)} and dtype {jnp.result_type(tiles)}.")
+  return tiles, _scalar_f32(running, "reduce[1]")
 
 
 def _scalar_f32(value, argname: str) -> jax.Array:

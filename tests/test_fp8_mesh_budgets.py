@@ -8,7 +8,11 @@ arguments, and reads the per-device optimized HLO with `fp8jax.lowering.cost`
 * data parallel (batch over "data", weights replicated): each GPU quantizes its
   own shard, nothing is all-gathered, every GEMM works on the local rows, and
   the only collectives beside the bf16 step's are the amax all-reduce (a few
-  scalars, combined by XLA into one per step);
+  scalars, combined by XLA into one per step). Beside the casts and the update,
+  that all-reduce is the only launch for the amaxes, with the two kernels XLA's
+  combiner puts around it (it packs the per-tensor maxima into one buffer and
+  slices each back out after fusion, so its pack and its slices are kernels of
+  their own: one per step, and one per sharded tensor, x and output gradient);
 * FSDP (weights split over "data" too): the weight is all-gathered once, in
   FP8 (half the bytes of the bf16 step's gather), and transposed after it;
 * data x model (tensor parallel): no GEMM on gathered activations;
@@ -72,6 +76,25 @@ def data_mesh():
   return deviceless.h100_mesh(data=DEVICES)
 
 
+def test_data_parallel_dense_step_launches_the_casts_the_update_and_the_amax_all_reduce(
+    data_mesh):
+  """One `fp8_dense` forward+backward with its state update, 2048 rows per device and a
+  2048 x 2048 kernel: the bf16 step's kernels, the 3 casts and the update, and the one
+  all-reduce of the amaxes with XLA's pack and its two slices. Nothing is copied."""
+  n = 2048
+  fp8, bf16 = _dense_steps(DEVICES * n, n, DELAYED, data_mesh, P("data", None), P())
+  assert not [k for k in fp8.kernels if k.category == "copy"], fp8.table()
+  assert len(_collectives(fp8, "all-reduce")) == len(_collectives(bf16, "all-reduce")) + 1, \
+      fp8.table()
+  small = [k for k in fp8.kernels if k.category == "fusion"]
+  assert sorted(k.name.rstrip(".0123456789") for k in small) == [
+      "wrapped_concatenate", "wrapped_slice", "wrapped_slice"], fp8.table()
+  casts = [k for k in fp8.kernels if k.category == "pallas" and k.bytes_in >= n * n * 2]
+  updates = [k for k in fp8.kernels if "fp8_scale_update" in k.op_name]
+  assert len(casts) == 3 and len(updates) == 1, fp8.table()
+  assert fp8.non_gemm_launches == bf16.non_gemm_launches + 4 + 4, (fp8.table(), bf16.table())
+
+
 @pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
 def test_data_parallel_quantizes_each_shard_and_gathers_nothing(data_mesh, recipe):
   n = 1024  # rows per device
@@ -89,9 +112,9 @@ def test_data_parallel_quantizes_each_shard_and_gathers_nothing(data_mesh, recip
   assert _link_bytes(fp8) <= _link_bytes(bf16) + SCALAR_BYTES, (fp8.table(), bf16.table())
 
 
-def test_data_parallel_fp8_layers_add_at_most_8_kernels_each(data_mesh):
-  """3 cast kernels and their 3 running-amax buffers (as on one GPU), and the two
-  sharded tensors' amaxes sliced out of the one combined all-reduce."""
+def test_data_parallel_fp8_layers_add_at_most_5_kernels_each(data_mesh):
+  """3 cast kernels (as on one GPU), and the two sharded tensors' amaxes sliced out
+  of the one combined all-reduce."""
 
   def steps(layers):
     params = [_spec(data_mesh, (512, 512), P())] * layers
@@ -109,10 +132,10 @@ def test_data_parallel_fp8_layers_add_at_most_8_kernels_each(data_mesh):
     # One all-reduce of amaxes per step, whatever the depth.
     assert len(_collectives(fp8, "all-reduce")) - len(_collectives(bf16, "all-reduce")) == 1, \
         (fp8.table(), bf16.table())
-  assert (extra[4] - extra[1]) / 3 <= 8, extra
+  assert (extra[4] - extra[1]) / 3 <= 5, extra
 
 
-@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 0.95)])
+@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 1.0)])
 def test_data_parallel_delayed_scaling_is_predicted_faster_per_device(data_mesh, n, at_least):
   fp8, bf16 = _dense_steps(DEVICES * n, n, DELAYED, data_mesh, P("data", None), P())
   assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())
@@ -216,9 +239,9 @@ def test_shard_map_runs_the_fused_kernels_on_each_devices_arrays(data_mesh, reci
   assert _link_bytes(fp8) <= _link_bytes(bf16) + 2 * state_bytes + SCALAR_BYTES, fp8.table()
 
 
-def test_shard_map_fp8_layers_add_at_most_6_kernels_each(data_mesh):
-  """As on one GPU: 3 cast kernels and their 3 running-amax buffers per layer; the
-  state's one pmax, its packing and the update are per step."""
+def test_shard_map_fp8_layers_add_at_most_3_kernels_each(data_mesh):
+  """As on one GPU: 3 cast kernels per layer; the state's one pmax, its packing and
+  the update are per step."""
 
   def steps(layers):
     params = [_spec(data_mesh, (512, 512), P())] * layers
@@ -248,10 +271,10 @@ def test_shard_map_fp8_layers_add_at_most_6_kernels_each(data_mesh):
     # One pmax of the FP8 state per step, whatever the depth.
     assert len(_collectives(fp8, "all-reduce")) - len(_collectives(bf16, "all-reduce")) == 1, \
         (fp8.table(), bf16.table())
-  assert (extra[4] - extra[1]) / 3 <= 6, extra
+  assert (extra[4] - extra[1]) / 3 <= 3, extra
 
 
-@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 0.95)])
+@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 1.0)])
 def test_shard_map_delayed_scaling_is_predicted_faster_per_device(data_mesh, n, at_least):
   fp8, bf16 = _shard_map_dense_steps(n, DELAYED, data_mesh)
   assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())

@@ -14,6 +14,7 @@ equal max|x| of the whole tensor in float64 numpy. (On CPU fp8jax itself lowers 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -28,7 +29,7 @@ from fp8jax.ops import fused_kernels
 from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
 from pallas_kernels.varying import varying_axes
 
-N_MESH_TESTS = 8
+N_MESH_TESTS = 9
 
 
 def test_mesh_tests_pass_on_8_devices():
@@ -99,6 +100,37 @@ def test_cast_kernel_outputs_vary_as_its_definitions_do_for_every_input_layout()
     amax_of_split_x = pallas_kernels.running_amax(_varying_if(True, x), scalars["running"],
                                                   interpret=True)
     mismatches.extend([] if varying_axes(amax_of_split_x) == {"data"} else ["running_amax"])
+    return x
+
+  _trace_in_shard_map(per_device, x)
+  assert not mismatches, mismatches
+
+
+@multidevice
+def test_chained_cast_outputs_vary_as_their_definitions_do_for_every_input_layout():
+  """The launches of a layer's cast chain (`cast_transpose_amax_in_chain`): tile maxima,
+  their reduction, zeroed seeds and an accumulator written in place, with the kernel's
+  tensor, the earlier launch's tensor and the running amaxes each replicated or split."""
+  x, scalars = _cast_inputs(13)
+  options = dict(fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0)
+  mismatches = []
+
+  def chain(run, first_x, second_x, running):
+    first = run(first_x, scalars["scale"], None, tile_amaxes=True, seeds=1, **options)
+    second = run(second_x, scalars["scale"], running, accumulator=first.seeds[0],
+                 reduce=(first.amax, running), seeds=1, **options)
+    third = run(first_x, scalars["scale"], running, accumulator=second.seeds[0], **options)
+    return first, second, third
+
+  def per_device(x):
+    for layout in itertools.product([False, True], repeat=3):
+      args = [_varying_if(on, a) for on, a in zip(layout, (x, x * 2, scalars["running"]))]
+      got = chain(functools.partial(pallas_kernels.cast_transpose_amax_in_chain,
+                                    interpret=True), *args)
+      want = chain(pallas_kernels.cast_transpose_amax_in_chain_reference, *args)
+      got_types, want_types = (jax.tree.map(varying_axes, out) for out in (got, want))
+      if got_types != want_types:
+        mismatches.append((layout, got_types, want_types))
     return x
 
   _trace_in_shard_map(per_device, x)

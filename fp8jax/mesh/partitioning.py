@@ -16,14 +16,16 @@ on its own shard:
 `shard_local` gives the cast and amax kernels the rule they obey:
 
 * the kernel reads one 2-D tensor `t` (any sharding of its two axes) and
-  scalars (replicated: FP8 scales, running amaxes, descales);
+  small replicated operands (FP8 scales, running amaxes, descales, an earlier
+  kernel's tile maxima);
 * each device runs the kernel on its own shard of `t`: its tensor outputs are
   `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
   two axes' shardings swapped), so nothing is gathered;
 * the amax outputs ("amax") are made global by a max over the mesh axes that
   split `t` (bit for bit the single-device amax: a max does not depend on the
-  order it is taken in); other scalar outputs ("scalar") come from replicated
-  scalars alone and stay replicated.
+  order it is taken in); so are the maxima of the kernel's tiles ("tiles", left
+  for a later kernel to reduce), where `t` is split; other scalar outputs
+  ("scalar") come from replicated operands alone and stay replicated.
 
 An axis of `t` whose size the mesh does not divide is gathered first (XLA would
 pad the shard, and the padding would enter the amax). A tensor that is
@@ -40,19 +42,23 @@ import functools
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-OUTPUT_KINDS = ("same", "transposed", "amax", "scalar")
+from fp8jax.core.quantize import max_by_bits
+
+OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles")
 
 
 def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
   """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
 
   Args:
-    kernel: a function of a 2-D array and float32[] scalars returning a tuple,
-      output i of kind `outputs[i]` (see the module docstring).
+    kernel: a function of a 2-D array and replicated float32 operands (scalars, or
+      vectors such as an earlier kernel's tile maxima) returning a tuple, output i
+      of kind `outputs[i]` (see the module docstring).
     outputs: one of OUTPUT_KINDS per output.
   """
   outputs = tuple(outputs)
@@ -61,7 +67,7 @@ def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
     raise ValueError(f"outputs={outputs!r}: {unknown} are not among {OUTPUT_KINDS}.")
 
   @functools.lru_cache(maxsize=None)
-  def partitioned_for(n_scalars: int):
+  def partitioned_for(ranks: tuple):
     @custom_partitioning
     def partitioned(t, *scalars):
       return tuple(kernel(t, *scalars))
@@ -71,27 +77,44 @@ def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
       split_over = tuple(name for entry in t_spec for name in axis_names(entry))
 
       def lower_fn(t, *scalars):
-        results = list(kernel(t, *scalars))
-        for i, kind in enumerate(outputs):
-          if kind == "amax" and split_over:
-            results[i] = jax.lax.pmax(results[i], split_over)
-        return tuple(results)
+        return global_amaxes(kernel(t, *scalars), outputs, split_over, result_shape)
 
       replicated = NamedSharding(mesh, PartitionSpec())
-      arg_shardings = (NamedSharding(mesh, t_spec),) + (replicated,) * n_scalars
+      arg_shardings = (NamedSharding(mesh, t_spec),) + (replicated,) * len(ranks)
       return mesh, lower_fn, _result_shardings(mesh, t_spec, outputs), arg_shardings
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
       return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0]), outputs)
 
     return define_rules(partitioned, partition, infer_sharding_from_operands,
-                   _sharding_rule(n_scalars, outputs))
+                        _sharding_rule(ranks, outputs))
 
   @functools.wraps(kernel)
   def call(t, *scalars):
-    return partitioned_for(len(scalars))(t, *scalars)
+    return partitioned_for(tuple(jnp.ndim(s) for s in scalars))(t, *scalars)
 
   return call
+
+
+def global_amaxes(results, outputs, split_over: tuple, result_shapes) -> tuple:
+  """A per-shard kernel's results made those of the whole tensor (split over `split_over`).
+
+  "amax" outputs: the max over those axes. "tiles" outputs (one maximum per kernel
+  tile, for a later kernel to reduce): on a shard they are the shard's tiles, not
+  the whole tensor's, so their max is taken over those axes and stands for every
+  tile of the result (a later max over them gives the same amax).
+  """
+  results = list(results)
+  if not split_over:
+    return tuple(results)
+  shapes = result_shapes if isinstance(result_shapes, (tuple, list)) else (result_shapes,)
+  for i, kind in enumerate(outputs):
+    if kind == "amax":
+      results[i] = jax.lax.pmax(results[i], split_over)
+    elif kind == "tiles":
+      whole = jax.lax.pmax(max_by_bits(results[i]), split_over)
+      results[i] = jnp.broadcast_to(whole, shapes[i].shape)
+  return tuple(results)
 
 
 def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
@@ -108,11 +131,12 @@ def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
   return vmappable
 
 
-def _sharding_rule(n_scalars: int, outputs) -> str:
-  """Shardy's einsum-like rule: t is `r c`, scalars (operands and outputs) are rank 0."""
+def _sharding_rule(ranks: tuple, outputs) -> str:
+  """Shardy's einsum-like rule: t is `r c`, scalars (operands and outputs) are rank 0,
+  each vector operand and tiles output a factor of its own (replicated in `partition`)."""
   layout = {"same": "r c", "transposed": "c r", "amax": "", "scalar": ""}
-  operands = ", ".join(["r c"] + [""] * n_scalars)
-  results = ", ".join(layout[kind] for kind in outputs)
+  operands = ", ".join(["r c"] + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
+  results = ", ".join(layout.get(kind, f"w{i}") for i, kind in enumerate(outputs))
   return f"{operands} -> {results}"
 
 
@@ -154,7 +178,7 @@ def _divisible_spec(mesh, shape) -> PartitionSpec:
 def _result_shardings(mesh, t_spec: PartitionSpec, outputs) -> tuple:
   rows, cols = tuple(t_spec) + (None,) * (2 - len(t_spec))
   specs = {"same": PartitionSpec(rows, cols), "transposed": PartitionSpec(cols, rows),
-           "amax": PartitionSpec(), "scalar": PartitionSpec()}
+           "amax": PartitionSpec(), "scalar": PartitionSpec(), "tiles": PartitionSpec()}
   return tuple(NamedSharding(mesh, specs[kind]) for kind in outputs)
 
 
@@ -215,6 +239,9 @@ def shard_local_gemm(gemm: Callable) -> Callable:
 def shard_local_weight_cast(cast: Callable) -> Callable:
   """`cast(w, *scalars) -> (q, q_t, amax, *scalars_out)` for a weight sharded as FSDP shards it.
 
+  `amax` is of the kind `call`'s `amax_kind` says: "amax" (one float32) or "tiles"
+  (the maxima of the kernel's tiles), made global as `shard_local` makes them.
+
   Called as `call(w, x, *scalars)`: `x` is the activation the weight meets in
   its GEMM; only its sharding is read. The mesh axes that split both the
   weight and x's rows (FSDP: the data axis) are the ones the GEMMs need
@@ -241,15 +268,14 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
         (PartitionSpec(),) * (1 + n_scalars_out)
     return tuple(NamedSharding(mesh, s) for s in specs)
 
-  def partition(mesh, arg_shapes, result_shape):
+  def partition(mesh, arg_shapes, result_shape, amax_kind):
     w_spec, gather, kept = _plan(mesh, arg_shapes)
     split_over = tuple(name for entry in w_spec for name in axis_names(entry))
+    kinds = ("same", "transposed", amax_kind) + ("scalar",) * (len(result_shape) - 3)
 
     def lower_fn(w, x, *scalars):
       del x
-      q, q_t, amax, *rest = cast(w, *scalars)
-      if split_over:
-        amax = jax.lax.pmax(amax, split_over)
+      q, q_t, amax, *rest = global_amaxes(cast(w, *scalars), kinds, split_over, result_shape)
       if not any(gather):
         return (q, q_t, amax, *rest)
       for axis, names in enumerate(gather):
@@ -266,7 +292,7 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
     return _results(mesh, kept, len(result_shape) - 3)
 
   @functools.lru_cache(maxsize=None)
-  def partitioned_for(n_scalars: int, n_scalars_out: int, x_rank: int):
+  def partitioned_for(n_scalars: int, n_scalars_out: int, x_rank: int, amax_kind: str):
     @custom_partitioning
     def fn(w, x, *scalars):
       del x
@@ -276,11 +302,15 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
     # in `partition`, not propagated from the weight's sharding.
     x_factors = " ".join(f"x{i}" for i in range(x_rank))
     operands = ", ".join(["r c", x_factors] + [""] * n_scalars)
-    results = ", ".join(["p q", "q p", ""] + [""] * n_scalars_out)
-    return define_rules(fn, partition, infer_sharding_from_operands, f"{operands} -> {results}")
+    results = ", ".join(["p q", "q p", "t" if amax_kind == "tiles" else ""]
+                        + [""] * n_scalars_out)
+    return define_rules(fn, functools.partial(partition, amax_kind=amax_kind),
+                        infer_sharding_from_operands, f"{operands} -> {results}")
 
-  def call(w, x, *scalars, n_scalars_out: int = 0):
-    return partitioned_for(len(scalars), n_scalars_out, x.ndim)(w, x, *scalars)
+  def call(w, x, *scalars, n_scalars_out: int = 0, amax_kind: str = "amax"):
+    if amax_kind not in ("amax", "tiles"):
+      raise ValueError(f"amax_kind={amax_kind!r} must be 'amax' or 'tiles'.")
+    return partitioned_for(len(scalars), n_scalars_out, x.ndim, amax_kind)(w, x, *scalars)
 
   return call
 

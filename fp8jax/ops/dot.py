@@ -14,10 +14,11 @@ What this compiles to on Hopper (the lean path, see `fp8jax.lowering.cost`):
 when the dot is a plain matrix product once reshaped (`fp8_dense`, the
 projections of `fp8_einsum`), each of x, kernel and g is quantized by one
 kernel that also writes its transposed FP8 copy and records its amax
-(`fp8jax.ops.fused_kernels`), and the three GEMMs read those copies in the layout
-cuBLASLt's FP8 GEMM wants, so XLA adds no transpose. The same kernels also
-return each GEMM's combined descale, and each GEMM is one
-`__cublas$lt$matmul$f8` that applies it as its alpha and writes the output
+(`fp8jax.ops.fused_kernels`; under delayed scaling the three casts hand each
+other their amax buffers, so nothing else launches for them), and the three
+GEMMs read those copies in the layout cuBLASLt's FP8 GEMM wants, so XLA adds no
+transpose. The same kernels also return each GEMM's combined descale, and each
+GEMM is one `__cublas$lt$matmul$f8` that applies it as its alpha and writes the output
 dtype straight from its float32 accumulator (`scaled_matmul_nt`): no kernel
 reads a GEMM's output before its consumer. Other dimension numbers (batch
 dims) take the general path, where XLA places the transposes.
@@ -60,7 +61,7 @@ from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
 from fp8jax.ops import weight_reuse
 from fp8jax.ops.cast import cast_scale, quantize_with_meta
 from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
-from fp8jax.ops.fused_kernels import cast_transpose_amax, tensor_amax
+from fp8jax.ops.fused_kernels import cast_in_chain, tensor_amax
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -115,9 +116,9 @@ def _reused_kernel(kernel, meta, layout):
   if not cache.collecting:
     return cache.take(kernel, meta)
   fresh = dataclasses.replace(meta, amax=jnp.zeros_like(meta.amax))
-  q, q_t, scale_inv, _, quantized = _quantize_matrix(
+  cast, scale_inv, _ = _quantize_matrix(
       explicit_mesh.to_matrix(kernel, layout.n_contract), fresh, kernel, None)
-  arrays = (q, q_t, quantized.amax, scale_inv)
+  arrays = (cast.q, cast.q_t, cast.amax, scale_inv)
   cache.add(weight_reuse.primal(kernel), meta, arrays)
   return arrays
 
@@ -268,16 +269,23 @@ def matrix_layout(dims, x_shape, kernel_shape, x_spec=None,
                       kernel_spec=tuple(kernel_spec or (None,) * len(kernel_shape)))
 
 
-def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
-  """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `meta` with t's amax.
+def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, **chain):
+  """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `t`'s amax.
 
   Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
   GPU). Current scaling needs t's amax before it can cast, so it is the
   minimum of two passes: an amax pass, a scalar step for the scale, then the
   cast pass, which also carries the running amax through.
 
-  Returns (q, q_t, scale_inv, products, new_meta), `products[i] = scale_inv *
-  partner_descales[i]` (capped at the float32 max): each GEMM's one descale.
+  `chain`: how the cast's amax joins the layer's other casts
+  (`fp8jax.ops.fused_kernels.cast_in_chain`: `tile_amaxes`, `accumulator`,
+  `reduce`, `seeds`).
+
+  Returns (cast, scale_inv, running): the `fused_kernels.Cast` (its `amax` the
+  new running amax, or the tile maxima, whose reduction with `running` is the
+  new running amax), the descale `1 / scale`, and the running amax before this
+  cast. `cast.products[i] = scale_inv * partner_descales[i]` (capped at the
+  float32 max): each GEMM's one descale.
   """
   if meta.recipe.scales_from_tensor:
     t_amax = tensor_amax(t)
@@ -286,40 +294,65 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None):
     running = amax_max(meta.amax, t_amax)
   else:
     scale, scale_inv, running = meta.scale, meta.scale_inv, meta.amax
-  q, q_t, running, products = cast_transpose_amax(
-      t, scale, running, meta.fmt,
+  cast = cast_in_chain(
+      t, scale, None if chain.get("tile_amaxes") else running, meta.fmt,
       descale=scale_inv if partner_descales is not None else None,
-      partner_descales=partner_descales, gathered_for=gathered_for)
-  return q, q_t, scale_inv, products, dataclasses.replace(meta, amax=running)
+      partner_descales=partner_descales, gathered_for=gathered_for, **chain)
+  return cast, scale_inv, running
 
 
 def _matrix_fwd(x, kernel, meta, reused, layout):
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
-  if reused is None:
-    k2 = explicit_mesh.to_matrix(kernel, layout.n_contract)
-    qk, qk_t, scale_inv_k, _, meta_k = _quantize_matrix(k2, meta.kernel, kernel, None,
-                                                        gathered_for=x2)
-  else:
+  # Delayed scaling's running amaxes enter the step as its parameters or zeros:
+  # buffers a cast kernel cannot max into in place (XLA would copy each first, a
+  # launch for 4 bytes). So the layer's casts form a chain instead
+  # (fp8jax.ops.fused_kernels.cast_in_chain): the kernel's cast writes its tile
+  # maxima and a zeroed buffer for x's amax; x's cast reduces the kernel's amax from
+  # those tiles and leaves a zeroed buffer for the output gradient's amax. Current
+  # scaling computes its running amaxes in the step, so its casts take them as they are.
+  chain = not meta.recipe.scales_from_tensor
+  if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
-    meta_k = dataclasses.replace(meta.kernel, amax=amax_max(meta.kernel.amax, kernel_amax))
-  qx, qx_t, scale_inv_x, (fprop_descale,), meta_x = _quantize_matrix(x2, meta.x, x,
-                                                                     (scale_inv_k,))
+    x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
+                                              seeds=int(chain))
+    k_amax = amax_max(meta.kernel.amax, kernel_amax)
+  elif chain:
+    k_cast, scale_inv_k, k_running = _quantize_matrix(
+        explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,
+        gathered_for=x2, tile_amaxes=True, seeds=1)
+    qk, qk_t = k_cast.q, k_cast.q_t
+    x_cast, scale_inv_x, _ = _quantize_matrix(
+        x2, meta.x, x, (scale_inv_k,), accumulator=k_cast.seeds[0],
+        reduce=(k_cast.amax, k_running), seeds=1)
+    k_amax = x_cast.reduced
+  else:
+    k_cast, scale_inv_k, _ = _quantize_matrix(
+        explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,
+        gathered_for=x2)
+    qk, qk_t, k_amax = k_cast.q, k_cast.q_t, k_cast.amax
+    x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,))
+  (fprop_descale,) = x_cast.products
   with jax.named_scope("fp8_fprop"):
-    out = scaled_matmul_nt(qx, qk_t, fprop_descale, x.dtype)
+    out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
   out = explicit_mesh.reshape(out, layout.out_shape, layout.out_spec)
-  new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
-  # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad).
-  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad)
+  new_meta = dataclasses.replace(meta, x=dataclasses.replace(meta.x, amax=x_cast.amax),
+                                 kernel=dataclasses.replace(meta.kernel, amax=k_amax))
+  # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad);
+  # the output gradient's cast accumulates its amax into the zeroed buffer x's left.
+  g_accumulator = x_cast.seeds[0] if chain else None
+  residuals = (x_cast.q_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator)
   return out, new_meta, residuals
 
 
 def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
-  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
+  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator = residuals
   g2 = explicit_mesh.to_matrix(g, g.ndim - (len(layout.kernel_shape) - layout.n_contract))
   # The grad role's scale is the forward state's; its amax goes to the cotangent.
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
-  qg, qg_t, _, (dgrad_descale, wgrad_descale), recorded = _quantize_matrix(
-      g2, with_running, g, (scale_inv_k, scale_inv_x))
+  g_cast, _, _ = _quantize_matrix(g2, with_running, g, (scale_inv_k, scale_inv_x),
+                                  accumulator=g_accumulator)
+  qg, qg_t = g_cast.q, g_cast.q_t
+  dgrad_descale, wgrad_descale = g_cast.products
   # On an explicit-axis mesh dx is sharded as x (qx_t is x^T) and dk as the kernel
   # (qk has its sharding); see fp8jax.mesh.explicit.
   with jax.named_scope("fp8_dgrad"):
@@ -330,7 +363,7 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
                           out_spec=explicit_mesh.explicit_spec(qk))
   dx = explicit_mesh.reshape(dx, layout.x_shape, layout.x_spec)
   dk = explicit_mesh.reshape(dk, layout.kernel_shape, layout.kernel_spec)
-  return dx, dk, dataclasses.replace(grad_cotangent, amax=recorded.amax)
+  return dx, dk, dataclasses.replace(grad_cotangent, amax=g_cast.amax)
 
 
 # ----- GEMMs with their descales -----------------------------------------------------

@@ -11,6 +11,9 @@ GEMM kernel is a recipe's, `fp8jax.core.blocks`):
   scale)` in FP8 in its own layout and transposed, and its amax is recorded.
   One kernel reads T once, writes both FP8 copies and folds max|T| into the
   running amax; XLA by itself needs four kernels and two reads of T for it.
+  `cast_in_chain` runs a layer's casts so that no launch of its own initialises
+  their amax buffers (the first writes its tile maxima, the next reduces them and
+  leaves zeroed accumulators for the ones after it).
 * `tensor_amax`: the amax pass current scaling needs before it can cast.
 * `close_steps`: the end-of-step update of every FP8 role of a model in one
   launch (XLA compiles it into a few kernels per role).
@@ -40,13 +43,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
 from fp8jax.core.formats import Fp8Format
-from fp8jax.core.quantize import amax, amax_max, quantize
+from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize
 from fp8jax.mesh.axes import fully_manual, inside_shard_map
 from fp8jax.mesh.explicit import is_explicitly_sharded
 from fp8jax.mesh.partitioning import shard_local, shard_local_weight_cast, vmapped_as
@@ -136,36 +140,123 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
     q [R, C] and q.T [C, R] in `fmt.dtype`, the updated float32[] running amax,
     and the tuple of float32[] products (None without `partner_descales`).
   """
-  with_products = partner_descales is not None
+  cast = cast_in_chain(x, scale, running_amax, fmt, descale=descale,
+                       partner_descales=partner_descales, gathered_for=gathered_for)
+  return cast.q, cast.q_t, cast.amax, cast.products
 
-  def reference(x, scale, running_amax, descale, partner_descales, gathered_for=None):
+
+class Cast(NamedTuple):
+  """What `cast_in_chain` returns.
+
+  Attributes:
+    q, q_t: `saturate(x * scale)` in the format, [R, C], and its transpose [C, R].
+    amax: float32[] max(running_amax, max|x|); with `tile_amaxes`, a float32 vector
+      whose max is max|x| (the kernel's tile maxima), for a later cast to reduce.
+    products: the GEMMs' combined descales (None without `partner_descales`).
+    reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
+    seeds: float32[] zeros, accumulators for later casts.
+  """
+
+  q: jax.Array
+  q_t: jax.Array
+  amax: jax.Array
+  products: tuple | None
+  reduced: jax.Array | None
+  seeds: tuple
+
+
+def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None,
+                  fmt: Fp8Format, *, descale: jax.Array | None = None,
+                  partner_descales: tuple | None = None, gathered_for: jax.Array | None = None,
+                  accumulator: jax.Array | None = None, tile_amaxes: bool = False,
+                  reduce: tuple | None = None, seeds: int = 0) -> Cast:
+  """`cast_transpose_amax` as one cast of a chain whose amaxes need no kernel of their own.
+
+  The cast kernel folds its tiles' maxima into one float32 with atomics, so that
+  buffer must hold the running amax before the launch; where the running amax
+  cannot be overwritten (a jit parameter, a constant, a value read again) XLA
+  copies it first: one launch per tensor. An FP8 layer's casts run one after
+  another, so instead (`pallas_kernels.cast_transpose_amax_in_chain`):
+
+  * the first writes its tiles' maxima (`tile_amaxes=True`, `running_amax=None`),
+    which needs no initialised buffer;
+  * a later one reduces them with their running amax (`reduce=(tiles, running)`,
+    returned as `reduced`) and writes zeroed buffers (`seeds=n`);
+  * a later one accumulates its amax into such a buffer (`accumulator=`).
+
+  Elsewhere (the jnp form) the same values: the tile maxima are a vector of
+  max|x| as long as the kernel's, the seeds zeros.
+
+  Args:
+    x, scale, running_amax, fmt, descale, partner_descales, gathered_for: as for
+      `cast_transpose_amax` (`running_amax` None with `tile_amaxes`).
+    accumulator: a seed of an earlier cast of the same step.
+    tile_amaxes: return the tile maxima instead of the running amax.
+    reduce: (tiles, running) of an earlier cast.
+    seeds: how many zeroed accumulators to return.
+
+  Returns:
+    A `Cast`.
+  """
+  with_products = partner_descales is not None
+  n_products = len(partner_descales) if with_products else 0
+  tiles_len = pallas_kernels.tile_count(x.shape) if tile_amaxes and x.ndim == 2 else 1
+
+  def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
+                gathered_for=None):
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if with_products else None)
-    return q, q.T, amax_max(running_amax, amax(x)), products
-
-  def local_kernel(x, scale, running_amax, *descales):
-    descale, partners = (descales[0], descales[1:]) if with_products else (None, None)
-    out = pallas_kernels.cast_transpose_amax(
-        x, scale, running_amax, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
-        partner_descales=partners)
-    return tuple(out[:3]) + (tuple(out[3]) if with_products else ())
-
-  n_products = len(partner_descales) if with_products else 0
-  per_shard = shard_local(local_kernel, ("same", "transposed", "amax") + ("scalar",) * n_products)
-
-  def kernel(x, scale, running_amax, descale, partner_descales, gathered_for):
-    descales = (descale, *partner_descales) if with_products else ()
-    if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
-      q, q_t, new_amax, *products = local_kernel(x, scale, running_amax, *descales)
-    elif gathered_for is None:
-      q, q_t, new_amax, *products = per_shard(x, scale, running_amax, *descales)
+    if tile_amaxes:
+      new_amax = jnp.broadcast_to(amax(x), (tiles_len,))
     else:
-      q, q_t, new_amax, *products = shard_local_weight_cast(local_kernel)(
-          x, gathered_for, scale, running_amax, *descales, n_scalars_out=n_products)
-    return q, q_t, new_amax, (tuple(products) if with_products else None)
+      start = running_amax if accumulator is None else amax_max(accumulator, running_amax)
+      new_amax = amax_max(start, amax(x))
+    reduced = None
+    if reduce is not None:
+      tiles, running = reduce
+      reduced = amax_max(running, max_by_bits(tiles))
+    return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds)
 
-  args = (x, scale, running_amax, descale, partner_descales, gathered_for)
+  def local_kernel(x, scale, *operands):
+    operands = list(operands)
+    running = None if tile_amaxes else operands.pop(0)
+    descale = operands.pop(0) if with_products else None
+    partners = tuple(operands.pop(0) for _ in range(n_products)) if with_products else None
+    acc = operands.pop(0) if accumulator is not None else None
+    tiles = (operands.pop(0), operands.pop(0)) if reduce is not None else None
+    out = pallas_kernels.cast_transpose_amax_in_chain(
+        x, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
+        partner_descales=partners, accumulator=acc, tile_amaxes=tile_amaxes, reduce=tiles,
+        seeds=seeds)
+    return (out.q, out.q_t, out.amax, *(out.products or ()),
+            *((out.reduced,) if reduce is not None else ()), *out.seeds)
+
+  kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
+           + ("scalar",) * (n_products + (reduce is not None) + seeds))
+  per_shard = shard_local(local_kernel, kinds)
+
+  def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
+             gathered_for):
+    operands = ([] if tile_amaxes else [running_amax]) + (
+        [descale, *partner_descales] if with_products else []) + (
+        [accumulator] if accumulator is not None else []) + (
+        list(reduce) if reduce is not None else [])
+    if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
+      results = local_kernel(x, scale, *operands)
+    elif gathered_for is None:
+      results = per_shard(x, scale, *operands)
+    else:
+      results = shard_local_weight_cast(local_kernel)(
+          x, gathered_for, scale, *operands, n_scalars_out=len(kinds) - 3,
+          amax_kind=kinds[2])
+    q, q_t, new_amax, *rest = results
+    products = tuple(rest[:n_products]) if with_products else None
+    rest = rest[n_products:]
+    reduced = rest.pop(0) if reduce is not None else None
+    return Cast(q, q_t, new_amax, products, reduced, tuple(rest))
+
+  args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce, gathered_for)
   if not _takes(x):
     return reference(*args)
   return choose(args, kernel, reference)

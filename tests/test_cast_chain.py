@@ -1,0 +1,233 @@
+"""An FP8 layer's casts as a chain that launches nothing for its amax buffers.
+
+The cast kernel folds its tiles' maxima into one float32 with atomics, so that buffer
+must hold its start value before the launch; given a running amax XLA cannot overwrite
+(a jit parameter, a constant), XLA copies it first, a launch for 4 bytes per tensor.
+`pallas_kernels.cast_transpose_amax_in_chain` lets a layer's launches hand each other
+what they need instead: the first writes its tile maxima, the second reduces them and
+writes zeroed accumulators, the third accumulates into one.
+
+Here the kernel runs in the Pallas interpreter against its plain-jnp definition (bit for
+bit: a max has no rounding; FP8 values as bytes, float32 as bit patterns), the amaxes
+against float64 numpy, and `fp8_dense` steps on the kernel path (the kernels
+interpreted) against the jnp path that CPUs run: the FP8 state, outputs and gradients
+must agree bit for bit. The tests marked `hopper` compile for an H100 without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+import pallas_kernels
+from fp8jax import deviceless
+from fp8jax.lowering.cost import cost
+from fp8jax.ops import fused_kernels
+from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
+                            cast_transpose_amax_in_chain_reference, tile_count)
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# Ragged in both dimensions (7 x 3 tiles of 16 x 32, partial last row and column), one
+# tile smaller than the minimum, and tile-aligned.
+SHAPES = [(100, 72), (1, 16), (256, 128)]
+BLOCKS = CastTransposeBlockSizes(block_rows=16, block_cols=32)
+
+
+def _rng(*key) -> np.random.Generator:
+  return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
+
+
+def _tensor(rng, shape, magnitude):
+  return jnp.asarray(rng.standard_normal(shape) * magnitude, jnp.bfloat16)
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _assert_bitwise(got, want):
+  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got_leaves) == len(want_leaves)
+  for g, w in zip(got_leaves, want_leaves):
+    assert g.shape == w.shape and g.dtype == w.dtype, (g, w)
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def _max_abs(*tensors) -> np.float32:
+  """float64 max|t| over tensors (exact for bf16 values), as float32."""
+  return np.float32(max(np.max(np.abs(np.asarray(t, np.float64))) for t in tensors))
+
+
+def _chain(run, k, x, g, k_running, x_running, g_running):
+  """The three casts of an FP8 dense layer as `fp8jax.ops.dot` chains them."""
+  first = run(k, jnp.float32(2.0), None, fp8_dtype=E4M3, fp8_max=448.0, tile_amaxes=True,
+              seeds=1)
+  second = run(x, jnp.float32(3.0), x_running, fp8_dtype=E4M3, fp8_max=448.0,
+               accumulator=first.seeds[0], reduce=(first.amax, k_running), seeds=1,
+               descale=jnp.float32(1 / 3), partner_descales=(jnp.float32(0.5),))
+  third = run(g, jnp.float32(512.0), g_running, fp8_dtype=E5M2, fp8_max=57344.0,
+              accumulator=second.seeds[0], descale=jnp.float32(1 / 512),
+              partner_descales=(jnp.float32(0.5), jnp.float32(1 / 3)))
+  return first, second, third
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_chained_launches_are_bitwise_their_definition_and_give_each_tensors_amax(shape):
+  rng = _rng("chain", shape)
+  k, x, g = _tensor(rng, shape, 3.0), _tensor(rng, shape, 40.0), _tensor(rng, shape, 1e-3)
+  # Running amaxes below each tensor's own, so each result must come from the tensor.
+  running = (jnp.float32(0.25), jnp.float32(0.5), jnp.float32(1e-5))
+  kernel = functools.partial(cast_transpose_amax_in_chain, block_sizes=BLOCKS, interpret=True)
+  reference = functools.partial(cast_transpose_amax_in_chain_reference, block_sizes=BLOCKS)
+  got = _chain(kernel, k, x, g, *running)
+  _assert_bitwise(got, _chain(reference, k, x, g, *running))
+  first, second, third = got
+  assert first.amax.shape == (tile_count(shape, BLOCKS),)
+  assert np.float32(jnp.max(first.amax)) == _max_abs(k)
+  assert np.float32(second.reduced) == _max_abs(k)
+  assert np.float32(second.amax) == _max_abs(x)
+  assert np.float32(third.amax) == _max_abs(g)
+  assert [float(s) for s in first.seeds + second.seeds] == [0.0, 0.0]
+  assert third.seeds == () and third.reduced is None
+
+
+def test_tile_maxima_are_each_tiles_own_in_program_order():
+  # 16 x 32 tiles over [100, 72]: a 7 x 3 grid, row-major. Tile (r, c) holds r * 3 + c + 1
+  # at one place, so each tile's maximum names the tile.
+  x = np.zeros((100, 72), np.float32)
+  for r in range(7):
+    for c in range(3):
+      x[min(16 * r + 5, 99), min(32 * c + 7, 71)] = -(r * 3 + c + 1)
+  first = cast_transpose_amax_in_chain(jnp.asarray(x, jnp.bfloat16), jnp.float32(1.0), None,
+                                       fp8_dtype=E4M3, fp8_max=448.0, tile_amaxes=True,
+                                       block_sizes=BLOCKS, interpret=True)
+  np.testing.assert_array_equal(np.asarray(first.amax), np.arange(1, 22, dtype=np.float32))
+
+
+@pytest.mark.parametrize("where", ["tile", "running"])
+def test_a_nan_in_the_tiles_or_the_running_amax_makes_the_reduced_amax_nan(where):
+  rng = _rng("nan", where)
+  k, x = _tensor(rng, (100, 72), 1.0), _tensor(rng, (100, 72), 1.0)
+  if where == "tile":
+    k = k.at[99, 71].set(jnp.nan)  # in the ragged corner tile
+  running = jnp.float32(jnp.nan if where == "running" else 0.5)
+  for run in (functools.partial(cast_transpose_amax_in_chain, interpret=True),
+              cast_transpose_amax_in_chain_reference):
+    first = run(k, jnp.float32(1.0), None, fp8_dtype=E4M3, fp8_max=448.0, tile_amaxes=True,
+                block_sizes=BLOCKS, seeds=1)
+    second = run(x, jnp.float32(1.0), jnp.float32(0.0), fp8_dtype=E4M3, fp8_max=448.0,
+                 accumulator=first.seeds[0], reduce=(first.amax, running), block_sizes=BLOCKS)
+    assert np.isnan(np.float32(second.reduced)), run
+    assert np.float32(second.amax) == _max_abs(x), run
+
+
+def test_an_accumulator_keeps_a_nan_running_amax_and_a_larger_one():
+  x = _tensor(_rng("acc"), (130, 260), 1.0)
+  for amax_in in (np.nan, 10.0 * float(_max_abs(x))):
+    got = cast_transpose_amax_in_chain(x, jnp.float32(1.0), jnp.float32(amax_in),
+                                       fp8_dtype=E4M3, fp8_max=448.0,
+                                       accumulator=jnp.float32(0.0), interpret=True)
+    want = np.float32(amax_in)
+    assert (np.isnan(want) and np.isnan(got.amax)) or np.float32(got.amax) == want
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tile_amaxes=True), r"tile_amaxes=True .* pass amax_in=None"),
+    (dict(amax_in=None, tile_amaxes=True, accumulator=jnp.float32(0)), r"no accumulator"),
+    (dict(reduce=jnp.ones(3)), r"reduce must be \(tiles, running\)"),
+    (dict(reduce=(jnp.ones((2, 2)), jnp.float32(0))), r"reduce\[0\] must be a non-empty float32"),
+    (dict(reduce=(jnp.ones(3), jnp.ones(2))), r"reduce\[1\] must be a float32 scalar"),
+    (dict(accumulator=jnp.zeros(1)), r"accumulator must be a float32 scalar"),
+    (dict(seeds=5), r"seeds=5 must be an int from 0 to 4"),
+])
+def test_bad_chain_arguments_raise_errors_that_name_them(kwargs, message):
+  args = dict(amax_in=jnp.float32(0.0))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    cast_transpose_amax_in_chain(jnp.ones((32, 32), jnp.bfloat16), jnp.float32(1.0),
+                                 args.pop("amax_in"), fp8_dtype=E4M3, fp8_max=448.0,
+                                 interpret=True, **args)
+
+
+# ----- fp8_dense on the kernel path, interpreted, against the jnp path ---------------------
+
+
+@pytest.fixture
+def interpreted_kernels(monkeypatch):
+  """fp8jax's fused kernels chosen on CPU too, run by the Pallas interpreter."""
+  for name in ("cast_transpose_amax_in_chain", "close_steps", "running_amax"):
+    monkeypatch.setattr(pallas_kernels, name,
+                        functools.partial(getattr(pallas_kernels, name), interpret=True))
+  monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
+
+
+def _two_layer_steps(recipe, steps=3):
+  """`steps` jitted train steps of two `fp8_dense` layers, the second used twice with
+  one threaded meta (its running amaxes carry from one use to the next). Returns every
+  step's loss, gradients and FP8 state."""
+  rng = _rng("steps", type(recipe).__name__)
+  params = {"k1": jnp.asarray(rng.standard_normal((80, 48)) * 0.3, jnp.bfloat16),
+            "k2": jnp.asarray(rng.standard_normal((48, 48)) * 0.2, jnp.bfloat16)}
+  x = jnp.asarray(rng.standard_normal((96, 80)) * 3, jnp.bfloat16)
+
+  def loss_fn(params, state, x):
+    h, m1 = fp8jax.fp8_dense(x, params["k1"], None, state["l1"])
+    h, m2 = fp8jax.fp8_dense(jax.nn.gelu(h), params["k2"], None, state["l2"])
+    h, m2 = fp8jax.fp8_dense(h, params["k2"], None, m2)
+    return jnp.mean(jnp.square(h.astype(jnp.float32))), {"l1": m1, "l2": m2}
+
+  state = {"l1": fp8jax.init_dot_meta(recipe), "l2": fp8jax.init_dot_meta(recipe)}
+  # XLA may keep bf16 intermediates (the gelu) in float32 where its fusions allow
+  # (`xla_allow_excess_precision`), and the two paths fuse the model's own ops
+  # differently: rounded as written, both compute the same bf16 values.
+  step = jax.jit(fp8jax.value_and_grad(loss_fn)).lower(params, state, x).compile(
+      compiler_options={"xla_allow_excess_precision": False})
+  trajectory = []
+  for i in range(steps):
+    loss, grads, state = step(params, state, x * (i + 1))
+    trajectory.append((loss, grads, state))
+  return trajectory
+
+
+@pytest.mark.parametrize("recipe", [fp8jax.DelayedScaling(amax_history_len=4),
+                                    fp8jax.CurrentScaling()], ids=["delayed", "current"])
+def test_fp8_dense_steps_on_the_kernel_path_give_the_jnp_paths_bits(recipe, request):
+  want = _two_layer_steps(recipe)
+  request.getfixturevalue("interpreted_kernels")
+  got = _two_layer_steps(recipe)
+  _assert_bitwise(got, want)
+  # The state moved: every role recorded a non-zero amax in its history.
+  for meta in jax.tree.leaves(got[-1][2], is_leaf=fp8jax.core.meta.is_meta):
+    assert float(meta.amax_history[0]) > 0
+
+
+# ----- What an H100 runs ------------------------------------------------------------------
+
+_MISSING = deviceless.deviceless_toolchain_missing()
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_h100_dense_step_launches_its_three_casts_and_no_buffer_copy():
+  """One `fp8_dense` forward+backward with its state update (the running amaxes are
+  parameters and constants of the program): no copy, and the tile maxima, the seeds
+  and the reduction add no launch."""
+  spec = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+  meta = jax.eval_shape(lambda: fp8jax.init_dot_meta(fp8jax.DelayedScaling()))
+
+  def step(x, kernel, g, meta):
+    (y, new), vjp = jax.vjp(lambda x, k, m: fp8jax.fp8_dense(x, k, None, m), x, kernel, meta)
+    dx, dk, cotangent = vjp((g, jax.tree.map(jnp.zeros_like, new)))
+    return y, dx, dk, fp8jax.close_step(new, cotangent)
+
+  report = cost(step, spec, spec, spec, meta, target="deviceless")
+  kinds = sorted(k.category for k in report.kernels if not k.is_gemm)
+  assert kinds == ["pallas"] * 4, report.table()
+  casts = [k for k in report.kernels if "cast_transpose_amax" in k.op_name]
+  assert len(casts) == 3 and all(k.bytes_in >= 1024 * 1024 * 2 for k in casts), report.table()
