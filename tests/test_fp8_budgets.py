@@ -13,7 +13,7 @@ measured on an H100: see that class). The budgets are those of the lean FP8 path
 * every FP8 GEMM writes the model's dtype itself: no float32 product for a
   later kernel to rescale and convert;
 * `fp8_dense` forward+backward with delayed scaling runs the bf16 step's kernels
-  plus 4 (the 3 casts and the update) and is predicted at >= 1.55x bf16 at
+  plus 4 (the 3 casts and the update) and is predicted at >= 1.6x bf16 at
   M=K=N=8192 and >= 1.0x at 2048, every launch charged. Current scaling must first
   read each tensor for its amax (one more pass and three scalar kernels per
   tensor); it is held to what that minimum allows (see README, Performance).
@@ -124,7 +124,7 @@ def test_every_fp8_gemm_writes_the_model_dtype_itself(recipe):
 
 
 def test_fp8_dense_is_predicted_faster_than_bf16_with_delayed_scaling():
-  for n, at_least in ((8192, 1.55), (2048, 1.0)):
+  for n, at_least in ((8192, 1.6), (2048, 1.0)):
     fp8, bf16 = _dense_steps(n, DELAYED)
     assert bf16.time_s / fp8.time_s >= at_least, (n, bf16.time_s / fp8.time_s, fp8.table())
     # Three GEMMs, three cast-transpose-amax kernels, one update: bf16's kernels + 4.

@@ -135,7 +135,7 @@ def test_data_parallel_fp8_layers_add_at_most_5_kernels_each(data_mesh):
   assert (extra[4] - extra[1]) / 3 <= 5, extra
 
 
-@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 1.0)])
+@pytest.mark.parametrize("n, at_least", [(8192, 1.6), (2048, 1.0)])
 def test_data_parallel_delayed_scaling_is_predicted_faster_per_device(data_mesh, n, at_least):
   fp8, bf16 = _dense_steps(DEVICES * n, n, DELAYED, data_mesh, P("data", None), P())
   assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())
@@ -166,7 +166,7 @@ def test_fsdp_gathers_the_weight_once_in_fp8(data_mesh, recipe):
   sent = (gathers[0].time_s - fp8.constants.kernel_overhead_s) * fp8.constants.link_bytes_per_s
   assert sent == pytest.approx(n * n * (DEVICES - 1) / DEVICES, rel=1e-9), fp8.table()
   assert _link_bytes(fp8) < _link_bytes(bf16), (fp8.table(), bf16.table())
-  bound = 0.95 if recipe == DELAYED else 0.70
+  bound = 1.0 if recipe == DELAYED else 0.70
   assert bf16.compute_time_s / fp8.compute_time_s >= bound, (fp8.table(), bf16.table())
 
 
@@ -274,7 +274,7 @@ def test_shard_map_fp8_layers_add_at_most_3_kernels_each(data_mesh):
   assert (extra[4] - extra[1]) / 3 <= 3, extra
 
 
-@pytest.mark.parametrize("n, at_least", [(8192, 1.55), (2048, 1.0)])
+@pytest.mark.parametrize("n, at_least", [(8192, 1.6), (2048, 1.0)])
 def test_shard_map_delayed_scaling_is_predicted_faster_per_device(data_mesh, n, at_least):
   fp8, bf16 = _shard_map_dense_steps(n, DELAYED, data_mesh)
   assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())
