@@ -27,10 +27,19 @@ def test_a_square_layer_is_converted_at_the_break_even_size_and_not_one_step_bel
   assert not default_layer_filter(layer([T - DIM_MULTIPLE], [T - DIM_MULTIPLE]))
 
 
+def _non_square_at_the_threshold():
+  """The least lopsided (K, N), K < N, both multiples of 16, with 2KN / (K + N) = T exactly:
+  N = T K / (2K - T) for K between T/2 and T."""
+  for k in range(T - DIM_MULTIPLE, T // 2, -DIM_MULTIPLE):
+    n, remainder = divmod(T * k, 2 * k - T)
+    if not remainder and n % DIM_MULTIPLE == 0:
+      return k, n
+  raise AssertionError(f"no non-square layer of multiples of 16 has harmonic mean {T}")
+
+
 def test_a_non_square_layer_is_converted_exactly_from_harmonic_mean_equal_to_the_threshold():
-  # K = 3T/2, N = 3T/4 gives 2KN / (K + N) = T exactly; both are multiples of 16 (T is of 64).
-  k, n = 3 * T // 2, 3 * T // 4
-  assert 2 * k * n == T * (k + n) and k % DIM_MULTIPLE == n % DIM_MULTIPLE == 0
+  k, n = _non_square_at_the_threshold()  # (720, 1872) for T = 1040
+  assert 2 * k * n == T * (k + n) and k % DIM_MULTIPLE == n % DIM_MULTIPLE == 0 and k != n
   assert default_layer_filter(layer([k], [n]))
   assert default_layer_filter(layer([n], [k]))  # the rule is symmetric in K and N
   assert not default_layer_filter(layer([k], [n - DIM_MULTIPLE]))
