@@ -1,0 +1,146 @@
+"""Saved activations in FP8: what a backward pass keeps, one byte per element.
+
+The inputs of the non-linear ops (RMSNorm, GELU) and attention's output are kept for the
+backward pass. Stored in bf16 (or, inside a float32 norm, as float32 intermediates) they
+are most of a transformer's activation memory: a GPT block without them keeps ~84 bytes
+per token and d_model feature, with them in FP8 ~19 (README "Memory"). As COAT (Xi et al.
+2024) does for its non-linear layers, the copy is E4M3 with one scale per group of
+`GROUP` = 128 consecutive elements along the last (feature) axis; groups never span
+tokens, whose magnitudes differ most.
+
+    saved = save(x, "gelu")             # SavedFp8(q f8_e4m3fn [..., C], scale_inv f32 [..., ceil(C / 128)])
+    x_hat = restore(saved, jnp.bfloat16)
+
+Per group with amax A, the scale is `s = 448 / A` rounded down to a power of two, so
+`A s` is in (224, 448] (no saturation) and `1 / s` is exact. An element y = x s is
+rounded to nearest even in E4M3: relative error <= 2**-4 where |y| >= 2**-6 (normal, 3
+mantissa bits), absolute <= 2**-10 below (subnormal spacing 2**-9). In x:
+
+    |restore(save(x)) - x| <= max(2**-4 |x|, 2**-10 / s) <= max(2**-4 |x|, 2**-10 A / 224)
+
+A group whose amax is 0 keeps scale 1 (its codes are 0); one holding an inf or a NaN
+keeps scale 1 too: a NaN stays NaN, an inf saturates to 448 (the forward output already
+carries it).
+
+Remat: both arrays are named (`jax.ad_checkpoint.checkpoint_name`, "fp8jax_saved/<op>/q"
+and ".../scale_inv") so a `jax.checkpoint` policy can keep exactly them: `policy()`
+returns one (optionally offloading them to host memory). A policy cannot change a saved
+value's dtype (it only chooses save, recompute or offload), which is why the ops store
+the FP8 copy themselves, in their custom VJPs (`fp8jax.ops.rms_norm`, `fp8jax.ops.gelu`,
+`fp8jax.fp8_attention(save_output_fp8=True)`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from fp8jax.core.formats import E4M3
+from fp8jax.core.quantize import max_by_bits, saturate_cast, scale_from_amax
+
+GROUP = 128
+PREFIX = "fp8jax_saved/"
+# The ops whose saved activations are named, and the FP8 GEMM inputs `fp8_dot_general`
+# keeps ("dense_x": x^T of each projection).
+OPS = ("norm", "gelu", "attention_out", "dense_x")
+
+
+class SavedFp8(NamedTuple):
+  """An activation kept for the backward pass in FP8.
+
+  Attributes:
+    q: float8_e4m3fn, the activation's shape [..., C].
+    scale_inv: float32 [..., ceil(C / group)], each group's power-of-two `1 / s`.
+  """
+
+  q: jax.Array
+  scale_inv: jax.Array
+
+
+def names(op: str) -> tuple[str, str]:
+  """The checkpoint names of `op`'s saved codes and scales."""
+  return f"{PREFIX}{op}/q", f"{PREFIX}{op}/scale_inv"
+
+
+def save(x: jax.Array, op: str, group: int = GROUP) -> SavedFp8:
+  """x [..., C] (any float dtype) as E4M3 codes with one power-of-two scale per 1 x `group`.
+
+  Returns:
+    `SavedFp8`, both arrays named for `op` (see `policy`).
+  """
+  q, scale_inv = quantize_groups(x, group)
+  q_name, s_name = names(op)
+  return SavedFp8(checkpoint_name(q, q_name), checkpoint_name(scale_inv, s_name))
+
+
+def quantize_groups(x: jax.Array, group: int = GROUP) -> tuple[jax.Array, jax.Array]:
+  """`save`'s arrays, unnamed: the definition the fused kernels match.
+
+  Returns:
+    (q float8_e4m3fn [..., C], scale_inv float32 [..., ceil(C / group)]).
+  """
+  groups, n = _grouped(x.astype(jnp.float32), group)
+  amax = max_by_bits(jnp.abs(groups), axis=-1)
+  scale = scale_from_amax(amax, E4M3, 0, fallback=jnp.float32(1.0), power_of_two=True)
+  q = saturate_cast(groups, scale[..., None], E4M3)
+  q = q.reshape(*x.shape[:-1], n * group)[..., :x.shape[-1]]
+  return q, 1.0 / scale
+
+
+def restore(saved: SavedFp8, dtype=jnp.float32, group: int = GROUP) -> jax.Array:
+  """The activation `saved` holds (`save` with the same `group`).
+
+  Returns:
+    `q * scale_inv` per group (exact in float32), [..., C] in `dtype`.
+  """
+  columns = saved.q.shape[-1]
+  groups, n = _grouped(saved.q.astype(jnp.float32), group)
+  x = (groups * saved.scale_inv[..., None]).reshape(*saved.q.shape[:-1], n * group)
+  return x[..., :columns].astype(dtype)
+
+
+def _grouped(x: jax.Array, group: int) -> tuple[jax.Array, int]:
+  """x [..., C] as [..., ceil(C / group), group], a partial last group padded with zeros."""
+  columns = x.shape[-1]
+  n = -(-columns // group)
+  if n * group != columns:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * group - columns)])
+  return x.reshape(*x.shape[:-1], n, group), n
+
+
+def saved_bytes(shape, group: int = GROUP) -> int:
+  """Bytes `save` keeps for an activation of `shape`.
+
+  Returns:
+    1 per element plus 4 per group.
+  """
+  *lead, columns = shape
+  rows = 1
+  for size in lead:
+    rows *= size
+  return rows * (columns + 4 * -(-columns // group))
+
+
+def policy(offload: bool = False):
+  """A `jax.checkpoint` policy that keeps every FP8 activation fp8jax saves, and nothing else.
+
+  Under `jax.checkpoint(f, policy=policy())` (or `nn.remat(..., policy=policy())`) the
+  backward pass reuses the FP8 copies of the norm, GELU and attention-output inputs and
+  of each FP8 projection's input, and recomputes the rest of `f` (elementwise work,
+  bf16 intermediates) from `f`'s inputs.
+
+  Args:
+    offload: move the saved arrays to pinned host memory between the passes (on a GPU)
+      instead of keeping them on the device.
+
+  Returns:
+    The policy.
+  """
+  all_names = [name for op in OPS for name in names(op)]
+  if offload:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=all_names,
+        offload_src="device", offload_dst="pinned_host")
+  return jax.checkpoint_policies.save_only_these_names(*all_names)

@@ -1,0 +1,136 @@
+"""FP8 saved activations: the 1 x 128 group format against float64, and what a backward keeps.
+
+The round-trip bound is derived in `fp8jax.ops.saved_activations`: with a group's
+power-of-two scale s (amax A, A s in (224, 448]), an element comes back within
+max(2**-4 |x|, 2**-10 / s) of x: half an E4M3 step relative where x s is normal
+(>= 2**-6), half the subnormal spacing 2**-9 below. Dequantizing multiplies by a power
+of two, exact in float32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import fp8jax
+from fp8jax.ops import saved_activations
+from fp8jax.ops.gelu import gelu
+from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
+
+
+def _log_uniform(shape, seed, decades=12):
+  rng = np.random.default_rng(seed)
+  magnitude = 10.0 ** rng.uniform(-decades / 2, decades / 2, shape)
+  return (np.where(rng.random(shape) < 0.5, -1.0, 1.0) * magnitude).astype(np.float32)
+
+
+def _group_bound(x64, group):
+  """max(2**-4 |x|, 2**-10 / s) per element, s the group's power-of-two scale (float64)."""
+  columns = x64.shape[-1]
+  n = -(-columns // group)
+  padded = np.pad(np.abs(x64), [(0, 0)] * (x64.ndim - 1) + [(0, n * group - columns)])
+  amax = padded.reshape(*x64.shape[:-1], n, group).max(-1)
+  scale = np.where(amax > 0, 2.0 ** np.floor(np.log2(448.0 / np.where(amax > 0, amax, 1))), 1.0)
+  per_element = np.repeat(1.0 / scale, group, axis=-1)[..., :columns]
+  return np.maximum(2.0**-4 * np.abs(x64), 2.0**-10 * per_element), scale
+
+
+@pytest.mark.parametrize("shape,group", [((64, 512), 128), ((3, 5, 200), 128), ((16, 64), 64),
+                                         ((7, 130), 128)])
+def test_round_trip_is_within_the_derived_bound_of_float64(shape, group):
+  x = _log_uniform(shape, seed=sum(shape))
+  saved = saved_activations.save(jnp.asarray(x), "test", group=group)
+  assert saved.q.dtype == jnp.float8_e4m3fn and saved.q.shape == shape
+  assert saved.scale_inv.shape == (*shape[:-1], -(-shape[-1] // group))
+  back = np.asarray(saved_activations.restore(saved, jnp.float32, group=group), np.float64)
+  bound, scale = _group_bound(x.astype(np.float64), group)
+  error = np.abs(back - x)
+  assert np.all(error <= bound), float(np.max(error / bound))
+  # The bound is tight (it is half a step): some element comes within 10% of it.
+  assert np.max(error / bound) > 0.9
+  np.testing.assert_array_equal(np.asarray(saved.scale_inv, np.float64), 1.0 / scale)
+
+
+def test_zero_groups_stay_zero_and_nan_stays_nan():
+  x = np.zeros((4, 256), np.float32)
+  x[1, 130] = np.nan
+  x[2, :128] = 3.0
+  saved = saved_activations.save(jnp.asarray(x), "test")
+  back = np.asarray(saved_activations.restore(saved))
+  np.testing.assert_array_equal(back[0], 0.0)
+  assert np.isnan(back[1, 130]) and np.all(back[1, :128] == 0)
+  np.testing.assert_array_equal(back[2, :128], 3.0)  # 3 * 2**7 = 384 is an E4M3 number
+
+
+def test_saved_bytes_are_one_per_element_and_four_per_group():
+  assert saved_activations.saved_bytes((8, 2048, 8192)) == 8 * 2048 * (8192 + 4 * 64)
+  x = jnp.ones((5, 300), jnp.bfloat16)
+  saved = saved_activations.save(x, "test")
+  assert saved.q.nbytes + saved.scale_inv.nbytes == saved_activations.saved_bytes(x.shape)
+
+
+def _saved_residuals(fn, *args):
+  """[(dtype, shape)] of what `jax.vjp(fn, *args)` keeps for the backward."""
+  from jax._src.ad_checkpoint import saved_residuals
+  return [(aval.dtype, aval.shape) for aval, _ in saved_residuals(fn, *args)]
+
+
+def test_the_ops_keep_only_fp8_codes_and_float32_scales():
+  x = jax.random.normal(jax.random.key(0), (4, 32, 256), jnp.bfloat16)
+  w = jnp.ones((256,), jnp.float32)
+  f8, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
+
+  kept = _saved_residuals(lambda x: gelu(x, save_fp8=True), x)
+  assert sorted(kept, key=str) == sorted([(f8, x.shape), (f32, (4, 32, 2))], key=str)
+  # Plain autodiff of the bf16 GELU keeps several bf16 tensors of x's shape.
+  plain = _saved_residuals(lambda x: jax.nn.gelu(x, approximate=True), x)
+  assert sum(np.prod(s) * d.itemsize for d, s in plain) >= 4 * x.size * 2
+
+  kept = _saved_residuals(lambda x, w: rms_norm(x, w, save_fp8=True), x, w)
+  # n in FP8 with its group scales, r per row, and the gain itself (a param).
+  assert sorted(kept, key=str) == sorted([(f8, x.shape), (f32, (4, 32, 2)), (f32, (4, 32, 1)),
+                                          (f32, (256,))], key=str)
+  kept = _saved_residuals(lambda x, d, w: add_rms_norm(x, d, w, save_fp8=True)[1], x, x, w)
+  assert (f8, x.shape) in kept and not [k for k in kept if k[0] == jnp.bfloat16]
+
+
+def _block(x, w1, w2, norm_w):
+  h = rms_norm(x, norm_w, save_fp8=True)
+  h = gelu(jnp.dot(h, w1), save_fp8=True)
+  return jnp.sum(jnp.dot(h, w2).astype(jnp.float32) ** 2)
+
+
+def test_the_remat_policy_keeps_the_named_fp8_copies_and_gives_the_same_gradients():
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (64, 128), jnp.bfloat16)
+  w1 = (jax.random.normal(keys[1], (128, 256)) / 12).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[2], (256, 128)) / 16).astype(jnp.bfloat16)
+  norm_w = jnp.ones((128,), jnp.float32)
+  args = (x, w1, w2, norm_w)
+  want = jax.grad(_block, argnums=(0, 1, 2, 3))(*args)
+  remat = jax.checkpoint(_block, policy=saved_activations.policy())
+  got = jax.grad(remat, argnums=(0, 1, 2, 3))(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  kept = _saved_residuals(remat, *args)
+  f8 = jnp.dtype(jnp.float8_e4m3fn)
+  assert sorted(s for d, s in kept if d == f8) == [(64, 128), (64, 256)]
+  # Nothing of the activations' size is kept in bf16: the block's inputs are the
+  # only 16-bit residuals (remat keeps its arguments).
+  assert not [k for k in kept if k[0] == jnp.bfloat16 and k[1] == (64, 256)]
+  # Under nothing_saveable the FP8 copies are recomputed too: none is kept.
+  nothing = jax.checkpoint(_block, policy=jax.checkpoint_policies.nothing_saveable)
+  assert not [k for k in _saved_residuals(nothing, *args) if k[0] == f8]
+
+
+def test_names_match_the_policy():
+  q_name, s_name = saved_activations.names("gelu")
+  assert q_name.startswith(saved_activations.PREFIX) and s_name.startswith(
+      saved_activations.PREFIX)
+  policy = saved_activations.policy()
+  x = jnp.ones((4, 128))
+  keep = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.sin(x), q_name)), policy=policy)
+  drop = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.sin(x), "other")), policy=policy)
+  assert len(_saved_residuals(keep, x)) > len(_saved_residuals(drop, x))
