@@ -132,11 +132,15 @@ def compile_for_h100(fn: Callable, *args, compiler_options: dict | None = None,
   """Lowers and compiles `jax.jit(fn)(*args)` for an H100.
 
   Args:
-    fn: the function to compile.
+    fn: the function to compile; a jitted one keeps its donated arguments.
     *args: pytrees of arrays or `ShapeDtypeStruct`s (only shapes and dtypes are used).
     compiler_options: XLA options, e.g. {"xla_gpu_enable_triton_gemm": False}.
     dump_dir: if given, XLA writes its dumps (HLO, PTX per kernel) there.
     static_argnums: passed to `jax.jit`.
+
+  The trace runs under `jax.set_mesh` of the arguments' H100 mesh, so fp8jax's
+  kernel choices (attention's backend) are the H100's; to trace your own program
+  for an H100, do the same: `with jax.set_mesh(h100_mesh(data=1)): jax.jit(f).lower(...)`.
 
   Returns:
     The `jax.stages.Compiled` object; `.as_text()` is the optimized HLO.
@@ -145,8 +149,33 @@ def compile_for_h100(fn: Callable, *args, compiler_options: dict | None = None,
   if dump_dir is not None:
     options["xla_dump_to"] = dump_dir
   specs = [a if i in static_argnums else on_h100(a) for i, a in enumerate(args)]
-  lowered = jax.jit(fn, static_argnums=static_argnums).lower(*specs)
+  # Traced under the H100 mesh, the program's kernels are chosen for the H100
+  # (`fp8jax.mesh.target`), not for this process's CPU.
+  with jax.set_mesh(_mesh_of(specs)):
+    lowered = jitted(fn, static_argnums).lower(*specs)
   return lowered.compile(compiler_options=options)
+
+
+def jitted(fn: Callable, static_argnums=()):
+  """The jitted function to lower for `fn`.
+
+  Returns:
+    `fn` itself when it is already jitted and no `static_argnums` are asked for (its
+    donated and static arguments kept: a jit around it would compile the same program
+    without the donations), else `jax.jit(fn, static_argnums=static_argnums)`.
+  """
+  if hasattr(fn, "lower") and not static_argnums:
+    return fn
+  return jax.jit(fn, static_argnums=static_argnums)
+
+
+def _mesh_of(specs):
+  """The deviceless mesh the specs are placed on (the first found), else one H100's."""
+  from jax.sharding import Mesh
+  for leaf in jax.tree.leaves(specs):
+    if _on_deviceless_mesh(leaf):
+      return leaf.sharding.mesh
+  return Mesh(list(h100_devices()), ("x",))
 
 
 def compile_ptx(fn: Callable, *args, compiler_options: dict | None = None) -> dict[str, str]:

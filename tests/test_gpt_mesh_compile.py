@@ -12,9 +12,9 @@ under the same sharding:
 * the predicted step speedup (the cost model's kernel time per device) is
   printed; README "Scaling out" quotes it.
 
-The attention is fp8jax's "xla" backend, the one a compile without a GPU
-selects; its FP8 QK^T is a cuBLASLt FP8 batch GEMM, P.V stays bf16 (see
-`fp8jax.attention_backend`).
+Attention is what an H100 runs (the compile target's choice, `fp8jax.mesh.target`):
+cuDNN there, which a compile without a GPU cannot build, so fp8jax's Hopper flash
+kernel ("pallas_hopper") stands in, per shard, in both steps.
 """
 from __future__ import annotations
 

@@ -50,6 +50,32 @@ def compile_text(fn: Callable, *args, compiler_options: dict | None = None,
   Returns:
     A `CompiledText`.
   """
+  options = dict(compiler_options or {})
+  with tempfile.TemporaryDirectory(prefix="fp8jax-lowering-") as dump_dir:
+    compiled, name = compile_program(fn, *args, compiler_options=options, target=target,
+                                     static_argnums=static_argnums,
+                                     dump_dir=dump_dir if collect_ptx else None)
+    ptx = {}
+    if collect_ptx:
+      for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
+        with open(path) as f:
+          ptx[os.path.basename(path)] = f.read()
+    return CompiledText(hlo=compiled.as_text(), ptx=ptx, target=name)
+
+
+def compile_program(fn: Callable, *args, compiler_options: dict | None = None,
+                    target: str = "auto", static_argnums: Sequence[int] = (),
+                    dump_dir: str | None = None) -> tuple[Any, str]:
+  """Compiles `jax.jit(fn)(*args)` for Hopper (a jitted `fn` as it is, donations kept).
+
+  Args:
+    fn, args, compiler_options, target, static_argnums: as for `compile_text`.
+    dump_dir: if given, XLA writes its dumps (HLO, PTX per kernel) there.
+
+  Returns:
+    (the `jax.stages.Compiled`, the target's name): `.as_text()` is the optimized HLO,
+    `.memory_analysis()` the device memory it needs.
+  """
   if target not in TARGETS:
     raise ValueError(f"target={target!r} is not one of {TARGETS}.")
   static_argnums = tuple(static_argnums)
@@ -63,32 +89,21 @@ def compile_text(fn: Callable, *args, compiler_options: dict | None = None,
         f"target='device' needs a JAX GPU backend, but the default backend is "
         f"{jax.default_backend()!r}. Use target='deviceless' to compile for an H100 "
         "without a GPU.")
+  options = dict(compiler_options or {})
   if target == "deviceless":
     missing = deviceless.deviceless_toolchain_missing()
     if missing:
       raise RuntimeError(f"Cannot compile for an H100 without a GPU: {missing}")
-
-  options = dict(compiler_options or {})
-  with tempfile.TemporaryDirectory(prefix="fp8jax-lowering-") as dump_dir:
-    if target == "deviceless":
-      compiled = deviceless.compile_for_h100(
-          fn, *args, compiler_options=options, dump_dir=dump_dir if collect_ptx else None,
-          static_argnums=static_argnums)
-      name = "H100 SXM, sm_90a (deviceless compile)"
-    else:
-      if collect_ptx:
-        options["xla_dump_to"] = dump_dir
-      specs = [a if i in static_argnums else _plain_specs(a) for i, a in enumerate(args)]
-      compiled = jax.jit(fn, static_argnums=static_argnums).lower(*specs).compile(
-          compiler_options=options)
-      device = jax.devices()[0]
-      name = f"{device.device_kind} (local {device.platform} device)"
-    ptx = {}
-    if collect_ptx:
-      for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
-        with open(path) as f:
-          ptx[os.path.basename(path)] = f.read()
-    return CompiledText(hlo=compiled.as_text(), ptx=ptx, target=name)
+    compiled = deviceless.compile_for_h100(fn, *args, compiler_options=options,
+                                           dump_dir=dump_dir, static_argnums=static_argnums)
+    return compiled, "H100 SXM, sm_90a (deviceless compile)"
+  if dump_dir is not None:
+    options["xla_dump_to"] = dump_dir
+  specs = [a if i in static_argnums else _plain_specs(a) for i, a in enumerate(args)]
+  compiled = deviceless.jitted(fn, static_argnums).lower(*specs).compile(
+      compiler_options=options)
+  device = jax.devices()[0]
+  return compiled, f"{device.device_kind} (local {device.platform} device)"
 
 
 def _has_gpu_backend() -> bool:

@@ -52,9 +52,11 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh.axes import inside_shard_map
 from fp8jax.mesh.explicit import is_explicitly_sharded
 from fp8jax.mesh.partitioning import shard_local_attention, vmapped_as
+from fp8jax.mesh.target import compile_target
 from fp8jax.ops.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, make_key,
                                           select_backend)
 from fp8jax.ops.cast import quantize_with_meta
+from fp8jax.ops import saved_activations
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 
@@ -68,23 +70,22 @@ class _Call:
   # Pallas interpreter: None decides by the default backend (CPU -> interpret);
   # False compiles the kernels for a GPU, also from a CPU process (deviceless).
   interpret: bool | None = None
+  # Keep the output for the backward kernel in FP8 (1 x head_dim groups) instead of bf16.
+  save_output_fp8: bool = False
 
 
-def _platform() -> tuple[str, str | None]:
-  platform = jax.default_backend()
-  arch = None
-  if platform == "gpu":
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    if capability:
-      arch = "sm_" + str(capability).replace(".", "")
-  return platform, arch
+def _interpret() -> bool | None:
+  """The Pallas kernels' interpret flag: never when compiling for a GPU (also from a
+  CPU process, deviceless); otherwise (None) the kernels decide by the platform."""
+  return False if compile_target().platform == "gpu" else None
 
 
 def choose_backend(q, k, *, fp8: bool, causal: bool, has_segments: bool,
                    recipe: Recipe | None = None, backend: str | None = None) -> BackendChoice:
   """The backend `attention` / `fp8_attention` will use for these arguments.
 
-  On an explicit-axis mesh only "xla" runs: the kernels' Pallas calls take
+  Selection sees the compile target (`fp8jax.mesh.target.compile_target`): under
+  `jax.set_mesh` of deviceless H100s it is what an H100 runs. On an explicit-axis mesh only "xla" runs: the kernels' Pallas calls take
   unsharded types only. Asked for another backend there, raises ValueError.
   """
   explicit = is_explicitly_sharded(q, k)
@@ -94,11 +95,14 @@ def choose_backend(q, k, *, fp8: bool, causal: bool, has_segments: bool,
         f"explicit-axis mesh (q {jax.typeof(q)}). Pass backend='xla' (or None) there, or make "
         "the mesh with jax.sharding.AxisType.Auto axes, where each device runs the kernel on "
         "its batch rows and heads.")
-  platform, arch = _platform()
+  # The compile target's platform (`fp8jax.mesh.target`): a deviceless compile for an
+  # H100 selects what the H100 runs, not what this process's CPU would.
+  target = compile_target()
   key = make_key(q.shape, k.shape, jnp.dtype(q.dtype).name, fp8=fp8, causal=causal,
                  has_segments=has_segments,
                  recipe_type=type(recipe).__name__ if recipe is not None else None,
-                 platform=platform, gpu_arch=arch)
+                 platform=target.platform, gpu_arch=target.gpu_arch,
+                 compile_only=target.compile_only)
   choice = select_backend(key, backend)
   if explicit and choice.name != "xla":
     reason = (f"the {choice.name!r} kernel does not run on arrays sharded over an "
@@ -167,7 +171,7 @@ def _bf16_attention(backend, q, k, v, causal, q_segment_ids, kv_segment_ids, sm_
   """16-bit attention on one backend ("pallas", "pallas_hopper", "cudnn" or "xla")."""
   if backend in ("pallas", "pallas_hopper"):
     return _fused_bf16_attention(q, k, v, q_segment_ids, kv_segment_ids,
-                                 _Call(backend, causal, sm_scale))
+                                 _Call(backend, causal, sm_scale, _interpret()))
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
                              implementation=backend)
 
@@ -253,7 +257,8 @@ def _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale
 def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, *,
                   causal: bool = False, q_segment_ids: jax.Array | None = None,
                   kv_segment_ids: jax.Array | None = None, sm_scale: float | None = None,
-                  backend: str | None = None) -> tuple[jax.Array, AttentionMeta]:
+                  backend: str | None = None,
+                  save_output_fp8: bool = False) -> tuple[jax.Array, AttentionMeta]:
   """FP8 fused attention with explicit FP8 state.
 
   Args:
@@ -266,6 +271,11 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
       None chooses. "xla" does the "pallas" kernel's arithmetic, E4M3 rounding of P
       included; "pallas_hopper" and "cudnn" run bf16 attention on the dequantized
       inputs.
+    save_output_fp8: keep the output the backward kernel reads (for its row sums
+      rowsum(dO * O)) as E4M3 with a power-of-two scale per token and head
+      (`fp8jax.ops.saved_activations`: 1.03 bytes per element instead of 2) on the fused
+      FP8 kernels ("pallas_hopper_fp8", "pallas"); the other backends recompute the
+      forward in the backward and keep no output.
 
   Returns:
     (out, new_meta): out [batch, q_len, heads, head_dim] in q's dtype (bf16
@@ -278,7 +288,7 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
   choice = choose_backend(q, k, fp8=True, causal=causal,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
                           backend=backend)
-  call = _Call(choice.name, causal, sm_scale)
+  call = _Call(choice.name, causal, sm_scale, _interpret(), bool(save_output_fp8))
   with reverse_mode_only("fp8jax.fp8_attention", "fp8jax.attention (bf16)"):
     return _fp8_attention(q, k, v, meta, q_segment_ids, kv_segment_ids, call)
 
@@ -313,7 +323,11 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
                                             call)
   new_meta = dataclasses.replace(meta, q=meta_q, k=meta_k, v=meta_v,
                                  o=record_amax(meta.o, out_amax))
-  residuals = (q8, k8, v8, descales, out, lse, q_seg, kv_seg)
+  kept = out
+  if call.save_output_fp8 and lse is not None:  # only the fused FP8 kernels read it back
+    # One scale per token and head (a head_dim under 128 is one padded group).
+    kept = saved_activations.save(out, "attention_out")
+  residuals = (q8, k8, v8, descales, kept, lse, q_seg, kv_seg)
   return out.astype(q.dtype), amaxes_unbatched_like(meta, new_meta), residuals
 
 
@@ -384,6 +398,8 @@ def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
 def _fp8_attention_bwd(call, residuals, cotangents):
   q8, k8, v8, descales, out, lse, q_seg, kv_seg = residuals
   g, meta_cotangent = cotangents
+  if isinstance(out, saved_activations.SavedFp8):
+    out = saved_activations.restore(out, g.dtype)
   if call.backend in ("xla",) + DEQUANTIZING_FP8_BACKENDS:
     dtype = jnp.float32 if call.backend == "xla" else jnp.bfloat16
     _, vjp = jax.vjp(lambda q, k, v: _bf16_attention(

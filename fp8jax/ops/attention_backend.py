@@ -102,6 +102,9 @@ class BackendKey:
       Hopper kernels need), else "unaligned".
     equal_lengths: q_len == kv_len (a causal mask is then the same whether
       aligned top-left or bottom-right).
+    compile_only: the platform is the compile target's, and this process has no such
+      device (a deviceless compile, `fp8jax.mesh.target`): what needs the device to
+      compile (cuDNN's fused attention) cannot be built; a kernel of fp8jax's stands in.
   """
 
   platform: str
@@ -114,6 +117,7 @@ class BackendKey:
   gqa_ratio: int
   size_class: str
   equal_lengths: bool
+  compile_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +129,8 @@ class BackendChoice:
 
 
 def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: bool,
-             recipe_type: str | None, platform: str, gpu_arch: str | None) -> BackendKey:
+             recipe_type: str | None, platform: str, gpu_arch: str | None,
+             compile_only: bool = False) -> BackendKey:
   """Builds the `BackendKey` for q [b, q_len, heads, d] and k [b, kv_len, kv_heads, d]."""
   mask = "+".join(m for m, on in (("causal", causal), ("segments", has_segments)) if on) or "none"
   q_len, kv_len = q_shape[1], k_shape[1]
@@ -134,7 +139,7 @@ def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: 
                     head_dim=int(q_shape[-1]), mask=mask, recipe_type=recipe_type,
                     gqa_ratio=int(q_shape[2] // k_shape[2]),
                     size_class="aligned" if aligned else "unaligned",
-                    equal_lengths=q_len == kv_len)
+                    equal_lengths=q_len == kv_len, compile_only=compile_only)
 
 
 def _why_not_hopper(key: BackendKey) -> str | None:
@@ -189,6 +194,9 @@ def _cannot_run(name: str, key: BackendKey) -> str | None:
   if name == "cudnn":
     if key.platform != "gpu":
       return f"cuDNN needs a GPU, the platform is {key.platform}"
+    if key.compile_only:
+      return ("cuDNN's fused attention cannot be compiled without a GPU (a deviceless "
+              "compile); fp8jax's own kernels can")
     if "segments" in key.mask:
       return "segment ids are not expressible as cuDNN sequence lengths"
     if key.dtype not in CUDNN_DTYPES and not key.fp8:  # FP8 runs dequantized to bf16
@@ -220,7 +228,20 @@ def _choose(key: BackendKey) -> BackendChoice:
     return BackendChoice("xla", f"{reason}, and cuDNN cannot run it ({why_not_cudnn})")
   if key.platform != "gpu":
     return BackendChoice("xla", f"no fused kernel for the {key.platform} platform")
-  return _choose_by_measurement(key)
+  if not key.compile_only:
+    return _choose_by_measurement(key)
+  # What the GPU itself would choose, then a kernel that compiles here in place of cuDNN.
+  choice = _choose_by_measurement(dataclasses.replace(key, compile_only=False))
+  return _stand_in_for_cudnn(key, choice) if choice.name == "cudnn" else choice
+
+
+def _stand_in_for_cudnn(key: BackendKey, choice: BackendChoice) -> BackendChoice:
+  """A GPU would run cuDNN, which a compile without a GPU cannot build: the Hopper flash
+  kernel (or the Pallas one off Hopper) compiles in its place, in the same precision."""
+  name = "pallas_hopper" if _cannot_run("pallas_hopper", key) is None else "pallas"
+  why = (f"a GPU would run 'cudnn' here, which cannot be compiled without a GPU; "
+         f"fp8jax's {name!r} kernel stands in for it in this deviceless compile")
+  return BackendChoice(name, f"{why} ({choice.reason})" if choice.reason else why)
 
 
 def _fastest(key: BackendKey, precision: str):
