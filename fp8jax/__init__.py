@@ -9,7 +9,9 @@ the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering` (GEMM report and
 cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
 `fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`),
 `fp8jax.telemetry` (what quantization does to each tensor: saturation,
-underflow, SNR), `fp8jax.optim` (Adam / AdamW with FP8 moments), and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
+underflow, SNR), `fp8jax.optim` (Adam / AdamW with FP8 moments),
+`fp8jax.saved_activations` (activations kept for the backward in FP8, and a
+`jax.checkpoint` policy that keeps exactly them), and the demo's `fp8jax.models.gpt` (a byte-level GPT of fp8jax layers),
 `fp8jax.data` (its embedded corpus) and `fp8jax.runs` (training runs: `fp8jax
 train`, `compare`, `calibrate`).
 
@@ -31,6 +33,9 @@ from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.ragged_dot import fp8_ragged_dot
 from fp8jax.ops.attention import attention, fp8_attention
+from fp8jax.ops.gelu import gelu
+from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
+from fp8jax.ops import saved_activations
 from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, UnthreadedStateError,
                                differentiating_fp8_state)
 from fp8jax.step.close import begin_step, close_step, end_step, merge_step
@@ -56,5 +61,6 @@ __all__ = [
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
+    "rms_norm", "add_rms_norm", "gelu", "saved_activations",
     "attention_backend", "deviceless", "fused_kernels", "lowering", "optim", "telemetry",
 ]

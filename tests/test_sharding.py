@@ -35,7 +35,7 @@ import fp8jax
 from multidevice import multidevice, run_mesh_tests_in_subprocess
 
 def test_mesh_tests_in_8_device_subprocess():
-  run_mesh_tests_in_subprocess(__file__, 12)
+  run_mesh_tests_in_subprocess(__file__, 13)
 
 
 # A two-layer MLP in the Megatron layout: layer 1 column-parallel (kernel split
@@ -315,3 +315,91 @@ def test_a_recipe_of_your_own_on_a_mesh_gives_the_one_device_state():
   forced = trajectory(gspmd_step(_mesh(4, 2)), recipe, teacher)
   for (_, _, state, _), (_, _, want_state, _) in zip(forced, teacher):
     assert_same_fp8_state(state, want_state, DOWNSTREAM_OF_SHARDED_SUM)
+
+
+def _moment_leaves(opt_state):
+  """{(field, param path): Fp8Moment} of the FP8 Adam state inside the demo's chain."""
+  from fp8jax.optim import Fp8Moment, ScaleByAdamFp8State
+
+  (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+      x, ScaleByAdamFp8State)) if isinstance(s, ScaleByAdamFp8State)]
+  found = {}
+  for field in ("mu", "nu"):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+        getattr(adam, field), is_leaf=lambda x: isinstance(x, Fp8Moment)):
+      if isinstance(leaf, Fp8Moment):
+        found[(field, jax.tree_util.keystr(path))] = leaf
+  return found
+
+
+@multidevice
+def test_fp8_optimizer_state_is_sharded_like_the_params_and_steps_like_one_device():
+  from fp8jax.models import gpt, gpt_sharding
+  from fp8jax.runs.steps import make_optimizer, train_step_for
+
+  model = gpt.Gpt(gpt.config_for("tiny", seq_len=32), recipe=DELAYED)
+  tx = make_optimizer("adamw_fp8", 1e-3, 0.1)
+  tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, 256)
+  variables = model.init(jax.random.key(0), tokens[:, :-1])
+  params, fp8_state = variables["params"], variables["fp8_meta"]
+  opt_state = tx.init(params)
+  copy = lambda tree: jax.tree.map(jnp.array, tree)  # the step donates its arguments
+  step = train_step_for(model, tx, fp8=True)
+  want = step(copy(params), copy(opt_state), copy(fp8_state), tokens)
+
+  # FSDP over 8 devices: every weight's d_model axis split (the Megatron "model" axis of
+  # the same layout sums bf16 partial outputs, which rounds differently from one device).
+  mesh = _mesh(8, 1)
+  args = gpt_sharding.shard_train_state(mesh, copy(params), copy(opt_state), copy(fp8_state),
+                                        tokens, fsdp=True)
+  param_spec = {jax.tree_util.keystr(path): leaf.sharding.spec
+                for path, leaf in jax.tree_util.tree_leaves_with_path(args[0])}
+  moments = _moment_leaves(args[1])
+  assert len(moments) == 2 * 7  # q, k, v, out, up, down kernels and the embedding
+  for (_, path), moment in moments.items():
+    # The codes carry the param's spec; before the fix they were matched by their
+    # last two path names (".../kernel", "codes") and silently replicated.
+    assert moment.codes.sharding.spec == param_spec[path], path
+    assert any(entry is not None for entry in moment.codes.sharding.spec), path
+    assert moment.codes.addressable_shards[0].data.size < moment.codes.size, path
+  got = step(*args)
+  new_params = {jax.tree_util.keystr(path): leaf
+                for path, leaf in jax.tree_util.tree_leaves_with_path(got[0])}
+  for (field, path), moment in _moment_leaves(got[1]).items():
+    param = new_params[path]
+    assert moment.codes.sharding.is_equivalent_to(param.sharding, param.ndim), (field, path)
+    assert moment.codes.addressable_shards[0].data.size < moment.codes.size, path
+
+  # Same numbers as one device. The train step's gradients themselves differ in the
+  # last bits between layouts (float32 sums in another order), so the optimizer is
+  # compared on equal gradients: its update is elementwise but for each 1x128 block's
+  # min and max (exact in any order), and its stochastic rounding bits come from (seed,
+  # step, leaf), not from the layout. XLA:CPU compiles the elementwise float32 math of
+  # a shard's shape with other fused multiply-adds than the whole array's (measured:
+  # updates 3 float32 ulps apart, rtol 2**-20 covers 8); a stored code can then move by
+  # one E4M3 step where a moment sat within those ulps of a rounding edge, which a
+  # float32 ulp (2**-23) against the E4M3 step (2**-3 relative) makes rarer than 1e-4.
+  keys = iter(jax.random.split(jax.random.key(2), 64))
+  grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape) * 10.0 ** jax.random.uniform(
+      next(keys), p.shape, minval=-6, maxval=0), params)
+  # Without the demo's global-norm clipping, a sum over every element whose order
+  # depends on the layout.
+  update = jax.jit(fp8jax.optim.adamw(1e-3, b2=0.95, weight_decay=0.1).update)
+  state = fp8jax.optim.adamw(1e-3).init(params)
+  sharded_params, sharded_state = gpt_sharding.shard_train_state(
+      mesh, copy(params), copy(state), copy(fp8_state), tokens, fsdp=True)[:2]
+  sharded_grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, sharded_params)
+  for _ in range(2):
+    updates, state = update(grads, state, params)
+    sharded_updates, sharded_state = update(sharded_grads, sharded_state, sharded_params)
+    for got_leaf, want_leaf in zip(jax.tree.leaves((sharded_updates, sharded_state)),
+                                   jax.tree.leaves((updates, state))):
+      assert got_leaf.dtype == want_leaf.dtype
+      got_np, want_np = np.asarray(got_leaf, np.float32), np.asarray(want_leaf, np.float32)
+      if got_leaf.dtype == jnp.float8_e4m3fn:
+        assert np.mean(got_np != want_np) <= 1e-4
+      else:
+        np.testing.assert_allclose(got_np, want_np, rtol=2**-20, atol=0)
+  for (_, path), moment in _moment_leaves(sharded_state).items():
+    param = new_params[path]
+    assert moment.codes.sharding.is_equivalent_to(param.sharding, param.ndim), path

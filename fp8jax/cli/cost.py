@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from fp8jax.cli import cost_gpt
 from fp8jax.cli.compile_options import add_compile_options, check_target
+from fp8jax.cli.cost_gpt import add_gpt_options
 from fp8jax.cli.errors import CommandError, add_traceback_option, report_user_errors
 from fp8jax.cli.factory import factory_label, load_factory
 
@@ -42,6 +44,7 @@ def add_parser(commands) -> None:
                             "report is per device, collectives over NVLink included")
   example.add_argument("--fsdp", action="store_true",
                        help="with --mesh: also split each weight's rows over the first axis")
+  add_gpt_options(cost_parser, _RECIPES)
   cost_parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
   cost_parser.add_argument("--summary", action="store_true",
                            help="print the totals only, not the per-kernel tables")
@@ -63,6 +66,15 @@ def _predict(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.json))
     if not os.path.isdir(folder):
       raise CommandError(f"--json {args.json!r}: the folder {folder!r} does not exist.")
+  if args.gpt is not None:
+    if args.factory or args.mesh or args.widths:
+      raise CommandError("--gpt compiles the demo GPT's step; drop --factory, --mesh and "
+                         "--widths (they describe other programs).")
+    check_target(args.target)
+    return cost_gpt.predict(args, constants)
+  misplaced = cost_gpt.gpt_flags_without_gpt(args)
+  if misplaced:
+    raise CommandError(f"{misplaced[0]} applies to the demo GPT: add --gpt SIZE.")
   programs = _cost_programs(args)
   check_target(args.target)
   options = {} if args.xla_defaults else None  # None: every GEMM on cuBLAS

@@ -22,6 +22,10 @@ OPTIONS = {
     "--eval-every": ("eval_every", int, "validation every N steps (default 100)"),
     "--checkpoint-every": ("checkpoint_every", int, "checkpoint every N steps (default 100)"),
     "--data": ("data", str, "train on this text file instead of the standard library's source"),
+    "--optimizer": ("optimizer", str, "adamw (float32 moments, default) or adamw_fp8 (FP8 "
+                    "moments, fp8jax.optim)"),
+    "--saved-activations": ("saved_activations", str, "what the backward keeps of the norms, "
+                            "GELU and attention output: default, or fp8 (E4M3, 1x128 scales)"),
 }
 
 

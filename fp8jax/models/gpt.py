@@ -77,10 +77,14 @@ from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
-from fp8jax.ops.attention_backend import BACKENDS
+from fp8jax.ops.attention_backend import BACKENDS, BackendChoice
+from fp8jax.ops import saved_activations
 from fp8jax.ops.einsum import fp8_einsum
+from fp8jax.ops.gelu import gelu
+from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
 from fp8jax.telemetry import TELEMETRY_COLLECTION
 
+SAVED_ACTIVATIONS = ("default", "fp8")
 ACTIVATION_DTYPE = jnp.bfloat16
 PARAM_DTYPE = jnp.float32
 VOCAB_SIZE = 256  # bytes
@@ -112,7 +116,15 @@ class GptConfig:
     fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`);
       False keeps it in bf16 (`fp8jax.attention`) beside the FP8 projections.
     attention_backend: force an attention backend ("pallas", "xla", ...; see
-      `fp8jax.ops.attention_backend`); None lets fp8jax choose for the platform.
+      `fp8jax.ops.attention_backend`); None lets fp8jax choose for the compile target.
+    saved_activations: what the backward keeps of the non-GEMM ops. "default": what
+      autodiff keeps (each RMSNorm three float32 tensors per token, the GELU five bf16
+      ones of d_ff, attention's output in bf16). "fp8": their inputs in E4M3 with one
+      scale per 1 x 128 group (`fp8jax.ops.saved_activations`): RMSNorm
+      (`fp8jax.ops.rms_norm`, the residual add fused into the MLP's norm), GELU
+      (`fp8jax.ops.gelu`) and, on the fused FP8 attention kernels, attention's output.
+      With `remat`, the blocks keep exactly these FP8 copies
+      (`fp8jax.ops.saved_activations.policy()`).
   """
 
   d_model: int
@@ -128,6 +140,7 @@ class GptConfig:
   scan_unroll: int = 1
   fp8_attention: bool = True
   attention_backend: str | None = None
+  saved_activations: str = "default"
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
@@ -139,6 +152,9 @@ class GptConfig:
       raise ValueError(
           f"GptConfig: d_model={self.d_model} must split into n_heads={self.n_heads} heads "
           "of an even head_dim (RoPE rotates pairs of features); change d_model or n_heads.")
+    if self.saved_activations not in SAVED_ACTIVATIONS:
+      raise ValueError(f"GptConfig.saved_activations={self.saved_activations!r} is not one of "
+                       f"{SAVED_ACTIVATIONS}.")
     if self.attention_backend is not None and self.attention_backend not in BACKENDS:
       raise ValueError(f"GptConfig.attention_backend={self.attention_backend!r} is not one of "
                        f"{BACKENDS} (or None to let fp8jax choose).")
@@ -150,6 +166,11 @@ class GptConfig:
   @property
   def d_ff(self) -> int:
     return self.mlp_ratio * self.d_model
+
+  @property
+  def fp8_saved(self) -> bool:
+    """Whether the backward keeps the norm, GELU and attention-output inputs in FP8."""
+    return self.saved_activations == "fp8"
 
 
 SIZES: dict[str, GptConfig] = {
@@ -190,18 +211,31 @@ def parameter_count(config: GptConfig) -> int:
 
 def attention_backend(config: GptConfig, recipe: Recipe | None, batch_size: int,
                       seq_len: int) -> str:
-  """The attention backend `Gpt(config, recipe)` runs on this platform for [batch_size, seq_len].
+  """The attention backend `Gpt(config, recipe)` runs for [batch_size, seq_len].
 
   It is the selection fp8jax's attention makes for the model's q, k, v (same
-  static key: platform, bf16, head_dim, causal mask, recipe type), so it names
+  static key: compile target, bf16, head_dim, causal mask, recipe type), so it names
   what the model's jitted step really uses: "xla" on a CPU; on a GPU "pallas"
-  (or "pallas_hopper_fp8" / "cudnn") as `fp8jax.ops.attention_backend` explains.
+  (or "pallas_hopper_fp8" / "cudnn") as `fp8jax.ops.attention_backend` explains;
+  under `jax.set_mesh` of deviceless H100s, what an H100 runs (`attention_choice`
+  says when a kernel stands in for cuDNN there).
+  """
+  return attention_choice(config, recipe, batch_size, seq_len).name
+
+
+def attention_choice(config: GptConfig, recipe: Recipe | None, batch_size: int,
+                     seq_len: int) -> BackendChoice:
+  """`attention_backend`'s choice with its reason.
+
+  Returns:
+    The `fp8jax.ops.attention_backend.BackendChoice`: its `name`, and its `reason` (None
+    on the fast path; under a deviceless compile, e.g. that a kernel stands in for cuDNN).
   """
   fp8 = recipe is not None and config.fp8_attention
   qkv = jax.ShapeDtypeStruct((batch_size, seq_len, config.n_heads, config.head_dim),
                              ACTIVATION_DTYPE)
   return choose_backend(qkv, qkv, fp8=fp8, causal=True, has_segments=False,
-                        recipe=recipe if fp8 else None, backend=config.attention_backend).name
+                        recipe=recipe if fp8 else None, backend=config.attention_backend)
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -227,14 +261,33 @@ def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
 
 
 class RMSNorm(nn.Module):
-  """`x / sqrt(mean(x**2, -1) + eps) * scale` in float32, returned in `out_dtype`."""
+  """`x / sqrt(mean(x**2, -1) + eps) * scale` in float32, returned in `out_dtype`.
+
+  Called with `delta`, the residual add before it: `(x + delta, rms_norm(x + delta))`.
+  `save_fp8`: the backward keeps the normalized input in FP8 (`fp8jax.ops.rms_norm`).
+  `return_amax`: also return max|output| (last), computed where the output is written.
+  """
 
   eps: float
   out_dtype: Any = ACTIVATION_DTYPE
+  save_fp8: bool = False
+  return_amax: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, delta: jax.Array | None = None):
     scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
+    if self.save_fp8 or self.return_amax:
+      options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
+                     return_amax=self.return_amax)
+      if delta is None:
+        return rms_norm(x, scale, **options)
+      return add_rms_norm(x, delta, scale, **options)
+    if delta is not None:
+      x = x + delta
+      return x, self._normalize(x, scale)
+    return self._normalize(x, scale)
+
+  def _normalize(self, x: jax.Array, scale: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
     return (x * scale.astype(jnp.float32)).astype(self.out_dtype)
@@ -257,6 +310,17 @@ def _dense(recipe: Recipe | None, features: int, *, std: float, name: str):
   return Fp8Dense(recipe=recipe, **kwargs)
 
 
+def _project(layer, x: jax.Array, x_amax: jax.Array | None) -> jax.Array:
+  """`layer(x)`, handing the FP8 layer max|x| where its producer wrote it."""
+  return layer(x) if x_amax is None else layer(x, x_amax=x_amax)
+
+
+def _writes_amax(recipe: Recipe | None) -> bool:
+  """Whether the norms and the GELU return their output's amax for the projection after
+  them (not yet: the projections take it once `fp8_dense` does)."""
+  return False
+
+
 def _residual_std(config: GptConfig) -> float:
   return config.init_std / math.sqrt(2 * config.n_layers)
 
@@ -273,19 +337,19 @@ class CausalSelfAttention(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16."""
+  def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
+    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `x_amax`: max|x| if known."""
     c, recipe = self.config, self.recipe
     heads = (c.n_heads, c.head_dim)
-    q = _dense_general(recipe, heads, std=c.init_std, name="query")(x)
-    k = _dense_general(recipe, heads, std=c.init_std, name="key")(x)
-    v = _dense_general(recipe, heads, std=c.init_std, name="value")(x)
+    q = _project(_dense_general(recipe, heads, std=c.init_std, name="query"), x, x_amax)
+    k = _project(_dense_general(recipe, heads, std=c.init_std, name="key"), x, x_amax)
+    v = _project(_dense_general(recipe, heads, std=c.init_std, name="value"), x, x_amax)
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
     if recipe is not None and c.fp8_attention:
       variable = fp8_variable(self, "attention_meta", init_attention_meta, recipe)
       out, new_meta = fp8_attention(q, k, v, read_meta(self, variable), causal=True,
-                                    backend=c.attention_backend)
+                                    backend=c.attention_backend, save_output_fp8=c.fp8_saved)
       store_dot_meta(self, variable, new_meta)
     else:
       out = attention(q, k, v, causal=True, backend=c.attention_backend)
@@ -294,16 +358,25 @@ class CausalSelfAttention(nn.Module):
 
 
 class Mlp(nn.Module):
-  """`down(gelu(up(x)))` with d_ff = mlp_ratio * d_model, bias-free."""
+  """`down(gelu(up(x)))` with d_ff = mlp_ratio * d_model, bias-free.
+
+  The one place the block's MLP is built (`Block` calls it under the name "mlp").
+  """
 
   config: GptConfig
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
     c = self.config
-    h = _dense(self.recipe, c.d_ff, std=c.init_std, name="up")(x)
-    return _dense(self.recipe, c.d_model, std=_residual_std(c), name="down")(nn.gelu(h))
+    h = _project(_dense(self.recipe, c.d_ff, std=c.init_std, name="up"), x, x_amax)
+    h_amax = None
+    if _writes_amax(self.recipe):
+      h, h_amax = gelu(h, save_fp8=c.fp8_saved, return_amax=True)
+    else:
+      h = gelu(h, save_fp8=True) if c.fp8_saved else nn.gelu(h)
+    return _project(_dense(self.recipe, c.d_model, std=_residual_std(c), name="down"), h,
+                    h_amax)
 
 
 class Block(nn.Module):
@@ -315,10 +388,15 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
     c = self.config
-    x = x + CausalSelfAttention(c, self.recipe, name="attention")(
-        RMSNorm(c.norm_eps, name="attention_norm")(x))
-    x = x + Mlp(c, self.recipe, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x))
-    return x, None
+    # Under current scaling each norm hands the projections after it its output's amax.
+    amax = _writes_amax(self.recipe)
+    normed = RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
+                     name="attention_norm")(x)
+    attended = CausalSelfAttention(c, self.recipe, name="attention")(
+        *(normed if amax else (normed,)))
+    x, *h = RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
+                    name="mlp_norm")(x, attended)
+    return x + Mlp(c, self.recipe, name="mlp")(*h), None
 
 
 class TiedOutput(nn.Module):
@@ -364,14 +442,16 @@ class Gpt(nn.Module):
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=ACTIVATION_DTYPE, param_dtype=PARAM_DTYPE,
                      embedding_init=nn.initializers.normal(c.init_std), name="embed")
     x = embed(tokens)
-    block = nn.remat(Block, prevent_cse=False) if c.remat else Block
+    # With FP8 saved activations, remat keeps exactly those (and recomputes the rest).
+    policy = saved_activations.policy() if c.fp8_saved else None
+    block = nn.remat(Block, prevent_cse=False, policy=policy) if c.remat else Block
     # Telemetry (`fp8jax.flax.linen_telemetry`) is sown per layer, stacked like the state.
     blocks = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0,
                                            TELEMETRY_COLLECTION: 0},
                      split_rngs={"params": True}, length=c.n_layers,
                      unroll=min(c.scan_unroll, c.n_layers))
     x, _ = blocks(c, recipe, name="blocks")(x, None)
-    h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, name="final_norm")(x)
+    h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, save_fp8=c.fp8_saved, name="final_norm")(x)
     table = embed.embedding
     if recipe is None:
       return jnp.einsum("bsd,vd->bsv", h.astype(ACTIVATION_DTYPE),

@@ -1,4 +1,4 @@
-"""How the demo GPT shards over a data x model mesh (Megatron-style tensor parallelism).
+"""How the demo GPT shards over a data x model mesh (Megatron-style tensor parallelism, FSDP).
 
 Each block's q, k and v projections and the MLP's up projection are
 column-parallel (their output features, the heads or d_ff, split over
@@ -6,10 +6,15 @@ column-parallel (their output features, the heads or d_ff, split over
 (their input features split over "model"), so a block needs one sum over
 "model" after each of its two halves and nothing else. The embedding (tied to
 the output head), the norms, and the FP8 state are replicated; the batch is
-split over "data".
+split over "data". With `fsdp_axis` every parameter's d_model axis is also split
+over that axis (FSDP: XLA gathers each weight where it is used).
 
-`param_specs` works on any tree that holds the params by their names (the
-params themselves, and optax states such as Adam's moments, which mirror them).
+`param_specs` works on any tree that holds the params by their names: the params
+themselves, and optimizer states that mirror them, float32 (optax's Adam moments) or
+compressed (`fp8jax.optim`'s `Fp8Moment(codes, k, offset)` under each param's path:
+every field gets the param's spec, since each keeps the param's rank). A leaf is known
+by the deepest pair of consecutive path names that names a param (e.g. ("up", "kernel")),
+not by its last two names, which for a compressed moment end in "codes".
 """
 from __future__ import annotations
 
@@ -18,49 +23,83 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# The last two names of a stacked ([n_layers, ...]) kernel's path -> its spec.
-_TENSOR_PARALLEL = {
-    ("query", "kernel"): P(None, None, "model", None),   # [L, d, heads, head_dim]
-    ("key", "kernel"): P(None, None, "model", None),
-    ("value", "kernel"): P(None, None, "model", None),
-    ("out", "kernel"): P(None, "model", None, None),     # [L, heads, head_dim, d]
-    ("up", "kernel"): P(None, None, "model"),            # [L, d, d_ff]
-    ("down", "kernel"): P(None, "model", None),          # [L, d_ff, d]
+# A param's (module, name) -> (its tensor-parallel spec, its d_model axis).
+_LAYOUT = {
+    ("query", "kernel"): (P(None, None, "model", None), 1),   # [L, d, heads, head_dim]
+    ("key", "kernel"): (P(None, None, "model", None), 1),
+    ("value", "kernel"): (P(None, None, "model", None), 1),
+    ("out", "kernel"): (P(None, "model", None, None), 3),     # [L, heads, head_dim, d]
+    ("up", "kernel"): (P(None, None, "model"), 1),            # [L, d, d_ff]
+    ("down", "kernel"): (P(None, "model", None), 2),          # [L, d_ff, d]
+    ("embed", "embedding"): (P(None, None), 1),               # [vocab, d]
 }
 
 
-def param_specs(tree: Any, model_axis: str = "model") -> Any:
-  """A `PartitionSpec` per leaf of `tree` (params, or an optimizer state that mirrors them)."""
+def param_specs(tree: Any, model_axis: str = "model", fsdp_axis: str | None = None) -> Any:
+  """A `PartitionSpec` per leaf of `tree` (params, or an optimizer state that mirrors them).
+
+  Args:
+    tree: the params, or any tree holding leaves under the params' paths.
+    model_axis: the tensor-parallel mesh axis.
+    fsdp_axis: also split each weight's d_model axis over this mesh axis (None: no FSDP).
+
+  Returns:
+    The tree of `PartitionSpec`s (`P()` for what is replicated).
+  """
   return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: _spec(path, leaf, model_axis), tree)
+      lambda path, leaf: _spec(path, leaf, model_axis, fsdp_axis), tree)
 
 
-def _spec(path, leaf, model_axis: str) -> P:
-  names = tuple(str(getattr(key, "key", getattr(key, "name", ""))) for key in path[-2:])
-  found = _TENSOR_PARALLEL.get(names)
-  if found is None or getattr(leaf, "ndim", 0) != len(found):
+def _spec(path, leaf, model_axis: str, fsdp_axis: str | None = None) -> P:
+  names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+  found = None
+  for i in range(len(names) - 1):
+    found = _LAYOUT.get((names[i], names[i + 1]), found)
+  if found is None:
     return P()
-  return P(*(model_axis if entry == "model" else entry for entry in found))
+  spec, d_axis = found
+  if getattr(leaf, "ndim", 0) != len(spec):
+    return P()
+  entries = [model_axis if entry == "model" else entry for entry in spec]
+  if fsdp_axis is not None:
+    entries[d_axis] = fsdp_axis
+  return P(*entries)
 
 
 def shard_train_state(mesh, params, opt_state, fp8_state, tokens, *, data_axis: str = "data",
-                      model_axis: str = "model"):
+                      model_axis: str = "model", fsdp: bool = False):
   """A train step's arguments placed on `mesh`: params and optimizer state as
-  `param_specs`, the FP8 state replicated, the tokens split over `data_axis`.
+  `param_specs` (with `fsdp`, d_model split over `data_axis` too), the FP8 state
+  replicated, the tokens split over `data_axis`.
 
   Arrays are put on the mesh with `jax.device_put`; `ShapeDtypeStruct`s get the
-  sharding (for compiling, e.g. on `fp8jax.deviceless.h100_mesh`).
+  sharding (for compiling, e.g. on `fp8jax.deviceless.h100_mesh`). An axis a leaf's
+  dimension does not divide stays whole on that dimension (e.g. the per-block scales of
+  an FP8 moment, 1/128 of its param's length, on a small model).
   """
 
   def place(tree, spec_of):
     def one(path, leaf):
-      sharding = NamedSharding(mesh, spec_of(path, leaf))
+      sharding = NamedSharding(mesh, _divisible(spec_of(path, leaf), leaf.shape, mesh))
       if isinstance(leaf, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
       return jax.device_put(leaf, sharding)
     return jax.tree_util.tree_map_with_path(one, tree)
 
-  tensor_parallel = lambda path, leaf: _spec(path, leaf, model_axis)
+  tensor_parallel = lambda path, leaf: _spec(path, leaf, model_axis,
+                                             data_axis if fsdp else None)
   return (place(params, tensor_parallel), place(opt_state, tensor_parallel),
           place(fp8_state, lambda path, leaf: P()),
           place(tokens, lambda path, leaf: P(data_axis)))
+
+
+def _divisible(spec: P, shape, mesh) -> P:
+  """`spec` without the mesh axes that do not divide their dimension of `shape`."""
+  entries = []
+  for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    count = 1
+    for axis in axes:
+      count *= mesh.shape[axis]
+    entries.append(entry if size % count == 0 else None)
+  return P(*entries)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from fp8jax.data import corpus as corpus_lib
 from fp8jax.runs import checkpoints
 from fp8jax.runs.config import RunError
-from fp8jax.runs.steps import compiled_steps
+from fp8jax.runs.steps import calibration_step
 from fp8jax.runs.train import load_corpus
 
 
@@ -57,8 +57,8 @@ def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
   corpus = load_corpus(config)
   params, opt_state, fp8_state, step = checkpoints.restore(checkpoint, config, corpus,
                                                            continuing=False)
-  # The training step's own forward and backward, with its parameter update dropped.
-  train_step, _ = compiled_steps(config)
+  # The training step's own forward and backward, without its parameter update.
+  step_fn = calibration_step(config)
   iterator = range(steps)
   if progress and importlib.util.find_spec("tqdm") is not None:
     from tqdm import tqdm  # optional (the 'examples' extra): only for a progress bar
@@ -66,7 +66,7 @@ def calibrate(checkpoint, out_dir, recipe: str = "delayed", steps: int = 16,
   for i in iterator:
     batch = jnp.asarray(corpus_lib.train_batch(corpus.train, step + 1 + i, config.batch,
                                                config.seq, config.seed))
-    _, _, fp8_state, _, _ = train_step(params, opt_state, fp8_state, batch)
+    fp8_state = step_fn(params, fp8_state, batch)
   out_dir.mkdir(parents=True, exist_ok=True)
   path = checkpoints.save(out_dir, step, params, opt_state, fp8_state, config, corpus)
   (out_dir / "calibration.json").write_text(json.dumps(

@@ -26,6 +26,10 @@ RECIPES = {
 }
 
 
+# `--optimizer`: AdamW with float32 moments (optax) or with FP8 moments (fp8jax.optim).
+OPTIMIZERS = ("adamw", "adamw_fp8")
+
+
 class RunError(ValueError):
   """A run that cannot start or continue; the message is one line naming the cause and fix."""
 
@@ -101,6 +105,10 @@ class RunConfig:
     checkpoint_every: a checkpoint every this many steps (and at the end).
     data: a text file to train on, or None for the Python standard library's source.
     max_data_bytes: how much of the text to use.
+    optimizer: "adamw" (optax, float32 moments: 8 bytes per parameter) or "adamw_fp8"
+      (`fp8jax.optim.adamw`: both moments in FP8 with 1x128-block scales, ~2.1 bytes).
+    saved_activations: what the backward keeps of the norms, the GELU and attention's
+      output: "default" (what autodiff keeps) or "fp8" (`GptConfig.saved_activations`).
   """
 
   recipe: str = "delayed"
@@ -119,11 +127,18 @@ class RunConfig:
   checkpoint_every: int = 100
   data: str | None = None
   max_data_bytes: int = 4 * 2**20
+  optimizer: str = "adamw"
+  saved_activations: str = "default"
 
   def __post_init__(self):
     self.recipe_object  # builds the recipe: RunError for options it does not take
     if self.size not in gpt.SIZES:
       raise RunError(f"--size {self.size!r} is not one of {list(gpt.SIZES)}.")
+    if self.optimizer not in OPTIMIZERS:
+      raise RunError(f"--optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}.")
+    if self.saved_activations not in gpt.SAVED_ACTIVATIONS:
+      raise RunError(f"--saved-activations {self.saved_activations!r} is not one of "
+                     f"{list(gpt.SAVED_ACTIVATIONS)}.")
     for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "checkpoint_every",
                  "max_data_bytes"):
       value = getattr(self, name)
@@ -168,7 +183,8 @@ class RunConfig:
 
 # Settings that must agree for a checkpoint to continue a run. The rest may change:
 # more steps (past `schedule_steps` at the final learning rate), evaluation and
-# checkpoint intervals, and the recipe when continuing a bf16 run in FP8.
+# checkpoint intervals, the recipe when continuing a bf16 run in FP8, and what the
+# backward keeps (saved_activations: the parameters are the same).
 MODEL_FIELDS = ("size", "seq")
 DATA_FIELDS = ("batch", "seed", "data", "max_data_bytes")
-OPTIMIZER_FIELDS = ("lr", "warmup_steps", "weight_decay", "schedule_steps")
+OPTIMIZER_FIELDS = ("optimizer", "lr", "warmup_steps", "weight_decay", "schedule_steps")

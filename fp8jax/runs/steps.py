@@ -18,9 +18,10 @@ from fp8jax.runs.config import RunConfig, RunError
 def build(config: RunConfig) -> tuple[Any, optax.GradientTransformation, Callable]:
   """(model, optimizer, learning-rate schedule) of a run.
 
-  AdamW (b2 0.95, decoupled weight decay) after clipping the gradient norm to 1;
-  the learning rate warms up linearly to `lr`, then decays along a cosine to
-  `lr / 10` at `schedule_length` steps and stays there.
+  AdamW (b2 0.95, decoupled weight decay; its moments in float32, or in FP8 with
+  `optimizer="adamw_fp8"`) after clipping the gradient norm to 1; the learning rate
+  warms up linearly to `lr`, then decays along a cosine to `lr / 10` at
+  `schedule_length` steps and stays there.
   """
   return _build(*_key(config))[:3]
 
@@ -30,7 +31,8 @@ def compiled_steps(config: RunConfig) -> tuple[Callable, Callable]:
   optimizer agree (a resumed or compared run reuses the compiled programs).
 
   train_step: `(params, opt_state, fp8_state, tokens [B, S + 1]) -> (params, opt_state,
-  fp8_state, loss, grad_norm)`, one FP8 (or bf16) step with `fp8jax.value_and_grad`.
+  fp8_state, loss, grad_norm)`, one FP8 (or bf16) step with `fp8jax.value_and_grad`; it
+  donates its params, optimizer state and FP8 state (pass each only once).
   eval_step: `(params, fp8_state, tokens) -> loss`, the FP8 state used, not updated.
   """
   return _build(*_key(config))[3:5]
@@ -55,20 +57,30 @@ def telemetry_step(config: RunConfig) -> Callable:
 def _key(config: RunConfig) -> tuple:
   # Everything the model, the optimizer and the two steps close over.
   return (config.recipe_object, config.size, config.seq, config.lr, config.warmup_steps,
-          config.weight_decay, config.schedule_length)
+          config.weight_decay, config.schedule_length, config.optimizer,
+          config.saved_activations)
 
 
 @functools.lru_cache(maxsize=8)
-def _build(recipe, size, seq, lr, warmup_steps, weight_decay, schedule_length):
-  model = gpt.Gpt(gpt.config_for(size, seq_len=seq), recipe=recipe)
+def _build(recipe, size, seq, lr, warmup_steps, weight_decay, schedule_length, optimizer,
+           saved_activations):
+  model = gpt.Gpt(gpt.config_for(size, seq_len=seq, saved_activations=saved_activations),
+                  recipe=recipe)
   warmup = max(warmup_steps, 1)
   schedule = optax.warmup_cosine_decay_schedule(
       lr / warmup, lr, warmup, max(schedule_length, warmup + 1), end_value=lr / 10)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(schedule, b2=0.95, weight_decay=weight_decay))
+  tx = make_optimizer(optimizer, schedule, weight_decay)
   fp8 = recipe is not None
   return (model, tx, schedule, train_step_for(model, tx, fp8), _eval_step(model, fp8),
           _telemetry_step(model) if fp8 else None)
+
+
+def make_optimizer(name: str, learning_rate, weight_decay: float) -> optax.GradientTransformation:
+  """The demo's optimizer: global-norm clipping to 1, then AdamW (b2 0.95) with float32
+  moments ("adamw", optax) or FP8 moments ("adamw_fp8", `fp8jax.optim.adamw`)."""
+  adamw = {"adamw": optax.adamw, "adamw_fp8": fp8jax.optim.adamw}[name]
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     adamw(learning_rate, b2=0.95, weight_decay=weight_decay))
 
 
 def init_state(model, tx: optax.GradientTransformation, config: RunConfig):
@@ -106,17 +118,48 @@ def train_step_for(model, tx: optax.GradientTransformation, fp8: bool) -> Callab
 
   `(params, opt_state, fp8_state, tokens [B, S + 1]) -> (params, opt_state, fp8_state,
   loss, grad_norm)`; `fp8` says whether the model keeps FP8 state.
+
+  The step donates params, optimizer state and FP8 state: XLA writes the new ones into
+  their buffers, so they exist once on the device, not twice at the step's end (at the
+  `1b` size that is 13.5 GB of fp32 params and Adam moments). The arrays passed in are
+  deleted by the call; keep using the ones it returns.
   """
   loss_fn = _loss(model, fp8)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def train_step(params, opt_state, fp8_state, tokens):
     loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state, fp8_state, loss,
-            optax.global_norm(grads))
+            _global_norm(grads))
 
   return train_step
+
+
+def calibration_step(config: RunConfig) -> Callable:
+  """The jitted step of `fp8jax calibrate`: `(params, fp8_state, tokens) -> fp8_state`.
+
+  The train step's forward and backward pass (the amaxes they record, the same FP8
+  state as the train step returns) without the parameter update; it donates the FP8
+  state only, so the same params serve every calibration step.
+  """
+  model = _build(*_key(config))[0]
+  return _calibration_step(model)
+
+
+@functools.lru_cache(maxsize=8)
+def _calibration_step(model):
+  loss_fn = _loss(model, fp8=True)
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def calibrate(params, fp8_state, tokens):
+    return fp8jax.value_and_grad(loss_fn)(params, fp8_state, tokens)[2]
+
+  return calibrate
+
+
+# optax.global_norm is deprecated in favour of optax.tree.norm, which older optax lacks.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
 def _eval_step(model, fp8: bool):

@@ -61,6 +61,9 @@ class RunResult:
     step_time_s: median wall time of those steps.
     attention_backend: the attention backend the model used.
     checkpoint: the final checkpoint.
+    peak_memory_bytes: the most device memory the run's process held (the GPU
+      allocator's peak, `jax.Device.memory_stats()["peak_bytes_in_use"]`); None where the
+      device does not report it (a CPU).
   """
 
   config: RunConfig
@@ -71,6 +74,7 @@ class RunResult:
   step_time_s: float
   attention_backend: str
   checkpoint: pathlib.Path | None
+  peak_memory_bytes: int | None = None
 
   def final_loss(self) -> float:
     """Mean training loss over the last 10% of steps (at least one)."""
@@ -259,7 +263,19 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
   step_time = statistics.median(step_times) if step_times else math.nan
   return RunResult(config=config, out_dir=out_dir, losses=losses, val_losses=val_losses,
                    tokens_per_s=tokens_per_step / step_time if step_times else math.nan,
-                   step_time_s=step_time, attention_backend=backend, checkpoint=newest)
+                   step_time_s=step_time, attention_backend=backend, checkpoint=newest,
+                   peak_memory_bytes=peak_device_memory())
+
+
+def peak_device_memory() -> int | None:
+  """The peak bytes the first local device's allocator held so far; None on a CPU.
+
+  Returns:
+    `memory_stats()["peak_bytes_in_use"]` (a GPU), or None where it is not reported.
+  """
+  stats = jax.local_devices()[0].memory_stats()
+  peak = (stats or {}).get("peak_bytes_in_use")
+  return int(peak) if peak is not None else None
 
 
 def _progress(enabled: bool | str, config: RunConfig, start: int):
@@ -277,6 +293,7 @@ def _write_summary(result: RunResult, corpus) -> None:
              "model": {**dataclasses.asdict(model_config),
                        "parameters": gpt.parameter_count(model_config)},
              "attention_backend": result.attention_backend,
+             "peak_memory_bytes": result.peak_memory_bytes,
              "final_loss": result.final_loss(), "val_losses": result.val_losses,
              "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s,
              "checkpoint": result.checkpoint.name if result.checkpoint else None,

@@ -1,0 +1,138 @@
+"""`fp8jax cost --gpt SIZE`: the demo GPT's train step for an H100, FP8 beside bf16, with memory.
+
+    fp8jax cost --gpt 1b --batch 8 --seq 2048             # time and memory, FP8 vs bf16
+    fp8jax cost --gpt 1b --seq 2048 --fit 80GiB           # the largest batch of each that fits
+
+The FP8 step uses the memory features by default (FP8 Adam moments, FP8 saved
+activations); `--optimizer adamw --saved-activations default` gives the plain FP8 model.
+The baseline is always the bf16 twin with float32 AdamW. Both are the demo's step
+(`fp8jax.runs.gpt_program`), compiled without a GPU for an H100 unless --target device.
+"""
+from __future__ import annotations
+
+import json
+
+from fp8jax.cli.errors import CommandError
+
+
+def add_gpt_options(parser, recipes) -> None:
+  """The options of the GPT program (beside the built-in example's --recipe/--batch/--seq)."""
+  group = parser.add_argument_group("the demo GPT (fp8jax.models.gpt)")
+  group.add_argument("--gpt", metavar="SIZE", default=None,
+                     help="the demo GPT's train step at this size (tiny, small, 125m, 350m, "
+                          "1b) instead of the example; --batch (default 8) and --seq "
+                          "(default: the size's) apply; prints memory beside time")
+  group.add_argument("--optimizer", choices=("adamw", "adamw_fp8"), default=None,
+                     help="with --gpt: the FP8 step's optimizer (default adamw_fp8: FP8 "
+                          "moments); the bf16 baseline keeps float32 AdamW")
+  group.add_argument("--saved-activations", choices=("default", "fp8"), default=None,
+                     help="with --gpt: what the FP8 step's backward keeps of norms, GELU and "
+                          "attention output (default fp8)")
+  group.add_argument("--fit", metavar="MEMORY", default=None,
+                     help="with --gpt: find by compiles the largest batch of each step that "
+                          "fits this much device memory, e.g. 80GiB")
+
+
+def gpt_flags_without_gpt(args) -> list[str]:
+  """The GPT-only options given without --gpt (each is an error)."""
+  return [flag for flag, value in (("--optimizer", args.optimizer),
+                                   ("--saved-activations", args.saved_activations),
+                                   ("--fit", args.fit)) if value is not None]
+
+
+def predict(args, constants) -> int:
+  """Compiles the FP8 and bf16 GPT steps; prints time, memory and (--fit) largest batches."""
+  from fp8jax.lowering import memory as memory_lib
+  from fp8jax.lowering.cost import compare
+  from fp8jax.models import gpt
+  from fp8jax.runs import gpt_program
+  from fp8jax.runs.config import RunError
+
+  capacity = None
+  if args.fit is not None:
+    try:
+      capacity = memory_lib.parse_bytes(args.fit)
+    except ValueError as e:
+      raise CommandError(f"--fit: {e}") from None
+  try:
+    size = gpt.SIZES.get(args.gpt)
+    seq = args.seq or (size.seq_len if size is not None else 1)
+    fp8 = gpt_program.GptProgram(size=args.gpt, batch=args.batch or 8, seq=seq,
+                                 recipe=args.recipe or "delayed",
+                                 optimizer=args.optimizer or "adamw_fp8",
+                                 saved_activations=args.saved_activations or "fp8")
+    bf16 = gpt_program.GptProgram(size=args.gpt, batch=fp8.batch, seq=seq, recipe="bf16",
+                                  optimizer="adamw", saved_activations="default")
+  except RunError as e:
+    raise CommandError(str(e)) from None
+  target = args.target
+  measured = [gpt_program.measure(p, target=target, constants=constants) for p in (fp8, bf16)]
+  (fp8_time, fp8_memory, fp8_attention), (bf16_time, bf16_memory, bf16_attention) = measured
+  blocks = [] if args.summary else [fp8_time.table(), bf16_time.table()]
+  blocks.append(f"the demo GPT {args.gpt}, batch {fp8.batch} x seq {seq}, train step "
+                f"(params, optimizer and FP8 state donated), on {fp8_time.target}")
+  blocks.append(str(compare(fp8_time, bf16_time)))
+  blocks.append(memory_table(fp8_memory, bf16_memory))
+  blocks.append(attention_lines({fp8.label: fp8_attention, bf16.label: bf16_attention}))
+  report = {"program": {"gpt": args.gpt, "batch": fp8.batch, "seq": seq},
+            "target": fp8_time.target,
+            "time": {"predicted_speedup": compare(fp8_time, bf16_time).speedup,
+                     "fp8": fp8_time.summary(), "bf16": bf16_time.summary()},
+            "memory": {"fp8": fp8_memory.to_dict(), "bf16": bf16_memory.to_dict()},
+            "attention": {"fp8": _choice_dict(fp8_attention),
+                          "bf16": _choice_dict(bf16_attention)}}
+  if capacity is not None:
+    fits = {p.label: gpt_program.largest_batch(p, capacity, target=target) for p in (fp8, bf16)}
+    blocks.append(fit_lines(fits, capacity))
+    report["fit"] = {"capacity": capacity,
+                     **{label: {"batch": batch, "memory": m.to_dict() if m else None}
+                        for label, (batch, m) in fits.items()}}
+  print("\n\n".join(blocks))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
+      f.write("\n")
+    print(f"wrote {args.json}")
+  return 0
+
+
+def memory_table(fp8, bf16) -> str:
+  """Arguments, temp and total of both steps, their ratio, and the share of 80 GiB."""
+  from fp8jax.lowering.memory import GIB, H100_MEMORY
+
+  header = f"{'memory':<32} {'arguments':>10} {'temp':>10} {'total':>10}  of 80 GiB"
+  lines = [header, "-" * len(header)]
+  for report in (fp8, bf16):
+    note = "" if report.fits() else "  (does not fit)"
+    lines.append(f"{report.label[:32]:<32} {report.arguments / GIB:>6.2f} GiB "
+                 f"{report.temp / GIB:>6.2f} GiB {report.total / GIB:>6.2f} GiB  "
+                 f"{100 * report.total / H100_MEMORY:>5.0f}%{note}")
+  ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
+  lines.append(f"{'FP8 / bf16':<32} {ratio(fp8.arguments, bf16.arguments):>10} "
+               f"{ratio(fp8.temp, bf16.temp):>10} {ratio(fp8.total, bf16.total):>10}")
+  return "\n".join(lines)
+
+
+def attention_lines(choices: dict) -> str:
+  lines = []
+  for label, choice in choices.items():
+    lines.append(f"attention ({label}): {choice.name}" +
+                 (f": {choice.reason}" if choice.reason else ""))
+  return "\n".join(lines)
+
+
+def fit_lines(fits: dict, capacity: int) -> str:
+  from fp8jax.lowering.memory import GIB
+
+  lines = [f"largest batch that fits {capacity / GIB:.1f} GiB (by deviceless compiles):"]
+  for label, (batch, report) in fits.items():
+    where = f" (total {report.total / GIB:.2f} GiB)" if report else ""
+    lines.append(f"  {label:<32} {batch:>5}{where}")
+  (fp8_batch, _), (bf16_batch, _) = fits.values()
+  if bf16_batch:
+    lines.append(f"  FP8 / bf16: {fp8_batch / bf16_batch:.2f}x")
+  return "\n".join(lines)
+
+
+def _choice_dict(choice) -> dict:
+  return {"backend": choice.name, "reason": choice.reason}

@@ -1,0 +1,134 @@
+"""The demo GPT's train step as a program to compile for an H100: its time and its memory.
+
+    program = GptProgram(size="1b", batch=8, seq=2048, recipe="delayed",
+                         optimizer="adamw_fp8", saved_activations="fp8")
+    time, memory, attention = measure(program)      # one deviceless compile
+    batch, memory = largest_batch(program, capacity=80 * GIB)
+
+The step is the demo's own (`fp8jax.runs.steps.train_step_for`: `fp8jax.value_and_grad`,
+the demo's clipped AdamW, params, optimizer state and FP8 state donated), compiled from
+shapes only. Traced under the H100 mesh, attention is what an H100 runs
+(`fp8jax.mesh.target`); where that is cuDNN, which a compile without a GPU cannot build,
+fp8jax's Hopper flash kernel stands in, and `measure` returns that choice with its reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import deviceless
+from fp8jax.lowering.cost import CostConstants, CostReport
+from fp8jax.lowering.memory import H100_MEMORY, MemoryReport
+from fp8jax.lowering import memory as memory_lib
+from fp8jax.models import gpt
+from fp8jax.ops.attention_backend import BackendChoice
+from fp8jax.runs.config import OPTIMIZERS, RunError, base_recipe
+from fp8jax.runs.steps import make_optimizer, train_step_for
+
+# The demo's settings that do not change the program's shape.
+_LEARNING_RATE, _WEIGHT_DECAY = 1e-3, 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class GptProgram:
+  """One demo GPT train step to compile.
+
+  Attributes:
+    size: a size of `fp8jax.models.gpt.SIZES`.
+    batch, seq: sequences per step and tokens per sequence.
+    recipe: "bf16" or a recipe name of `fp8jax.runs.config.RECIPES`.
+    optimizer: "adamw" or "adamw_fp8".
+    saved_activations: "default" or "fp8" (`GptConfig.saved_activations`).
+  """
+
+  size: str
+  batch: int
+  seq: int
+  recipe: str = "delayed"
+  optimizer: str = "adamw"
+  saved_activations: str = "default"
+
+  def __post_init__(self):
+    if self.size not in gpt.SIZES:
+      raise RunError(f"--gpt {self.size!r} is not one of {list(gpt.SIZES)}.")
+    for name in ("batch", "seq"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RunError(f"--{name} {value!r} must be a positive integer.")
+    base_recipe(self.recipe)
+    if self.optimizer not in OPTIMIZERS:
+      raise RunError(f"--optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}.")
+    if self.saved_activations not in gpt.SAVED_ACTIVATIONS:
+      raise RunError(f"--saved-activations {self.saved_activations!r} is not one of "
+                     f"{list(gpt.SAVED_ACTIVATIONS)}.")
+
+  @property
+  def label(self) -> str:
+    """E.g. "delayed, adamw_fp8, fp8 saved" or "bf16, adamw"."""
+    parts = [self.recipe, self.optimizer]
+    if self.saved_activations != "default":
+      parts.append(f"{self.saved_activations} saved")
+    return ", ".join(parts)
+
+  def config(self) -> gpt.GptConfig:
+    return gpt.config_for(self.size, seq_len=self.seq,
+                          saved_activations=self.saved_activations)
+
+
+def train_step(program: GptProgram):
+  """(step, args): the jitted demo train step and `ShapeDtypeStruct`s of its arguments."""
+  recipe = base_recipe(program.recipe)
+  model = gpt.Gpt(program.config(), recipe=recipe)
+  tx = make_optimizer(program.optimizer, _LEARNING_RATE, _WEIGHT_DECAY)
+  variables = jax.eval_shape(model.init, jax.random.key(0),
+                             jax.ShapeDtypeStruct((1, program.seq), jnp.int32))
+  params = variables["params"]
+  args = (params, jax.eval_shape(tx.init, params), variables.get("fp8_meta", {}),
+          jax.ShapeDtypeStruct((program.batch, program.seq + 1), jnp.int32))
+  return train_step_for(model, tx, recipe is not None), args
+
+
+def attention_choice(program: GptProgram, target: str = "deviceless") -> BackendChoice:
+  """The attention backend the step compiles with for `target`, and why (its warning)."""
+  recipe = base_recipe(program.recipe)
+  choose = lambda: gpt.attention_choice(program.config(), recipe, program.batch, program.seq)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the reason is returned instead
+    if _resolved(target) == "device":
+      return choose()
+    with jax.set_mesh(deviceless.h100_mesh(x=1)):
+      return choose()
+
+
+def _resolved(target: str) -> str:
+  if target != "auto":
+    return target
+  try:
+    return "device" if jax.default_backend() == "gpu" else "deviceless"
+  except RuntimeError:
+    return "deviceless"
+
+
+def measure(program: GptProgram, *, target: str = "deviceless",
+            constants: CostConstants | None = None
+            ) -> tuple[CostReport, MemoryReport, BackendChoice]:
+  """Compiles the step once: its predicted time, its memory and its attention backend."""
+  step, args = train_step(program)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the attention backend's reason is in the result
+    time, memory = memory_lib.measure(step, *args, target=target, constants=constants,
+                                      label=program.label)
+  return time, memory, attention_choice(program, target)
+
+
+def largest_batch(program: GptProgram, capacity: int = H100_MEMORY, *,
+                  target: str = "deviceless") -> tuple[int, MemoryReport | None]:
+  """The largest batch of `program`'s step that fits `capacity` bytes (by compiles)."""
+
+  def at(batch: int) -> MemoryReport:
+    return measure(dataclasses.replace(program, batch=batch), target=target)[1]
+
+  return memory_lib.largest_batch(at, capacity)
