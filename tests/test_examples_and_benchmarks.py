@@ -28,6 +28,8 @@ def test_dense_benchmark_smoke_writes_json(tmp_path):
   for row in saved["results"]:
     for name in ("bf16", "fp8_delayed", "fp8_current"):
       assert row[name]["median_s"] > 0 and row[name]["tflops"] > 0
+      # The same step timed as several steps in one call (no host dispatch between them).
+      assert row[f"{name}_in_loop"]["median_s"] > 0 and row["loop_steps"] == 2
 
 
 def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
