@@ -100,11 +100,14 @@ class _Amax:
     its own slot, so no buffer has to be initialised before the launch.
   reduce: also reduce an earlier launch's tile maxima with their running amax.
   seeds: how many zeroed float32 buffers to write for later launches' accumulators.
+  passed: the lengths of the small float32 vectors copied through (see
+    `cast_transpose_amax_in_chain`'s `pass_through`).
   """
 
   accumulate: str = "in_place"
   reduce: bool = False
   seeds: int = 0
+  passed: tuple = ()
 
 
 # Tile maxima an earlier launch wrote are reduced this many at a time by one program.
@@ -115,9 +118,10 @@ def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Ama
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
   Refs: x, [scale], [descale, partner x `partners`], [amax_in], [accumulator],
-  [tiles_in, tiles_running], then [q], [q_t], [product x `partners`], amax_out,
-  [reduced], [seed x `seeds`]. amax_out is amax_in's buffer ("in_place"), the
-  accumulator's ("accumulator") or one slot per program ("tiles").
+  [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t], [product x
+  `partners`], amax_out, [reduced], [seed x `seeds`], [passed out x `passed`].
+  amax_out is amax_in's buffer ("in_place"), the accumulator's ("accumulator") or
+  one slot per program ("tiles").
   """
   refs = list(refs)
   x_ref = refs.pop(0)
@@ -130,12 +134,14 @@ def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Ama
     refs.pop(0)  # the accumulator: the same buffer as amax_out
   if amax.reduce:
     tiles_in_ref, tiles_running_ref = refs.pop(0), refs.pop(0)
+  passed_in_refs = [refs.pop(0) for _ in amax.passed]
   q_ref = refs.pop(0) if cast is not None else None
   q_t_ref = refs.pop(0) if cast is not None and cast.transpose else None
   product_refs = [refs.pop(0) for _ in range(partners)]
   amax_ref = refs.pop(0)
   reduced_ref = refs.pop(0) if amax.reduce else None
-  seed_refs = refs
+  seed_refs = [refs.pop(0) for _ in range(amax.seeds)]
+  passed_out_refs = refs
   first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
   if partners:
     @pl.when(first)
@@ -144,15 +150,18 @@ def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Ama
       # all-zero row times an overflowing product stays 0 instead of NaN.
       for partner_ref, product_ref in zip(partner_refs, product_refs):
         product_ref[...] = jnp.minimum(descale_ref[...] * partner_ref[...], _F32_MAX)
-  if amax.reduce or amax.seeds or amax.accumulate == "accumulator":
+  if amax.reduce or amax.seeds or amax.passed or amax.accumulate == "accumulator":
     @pl.when(first)
     def _():
-      # One program writes what earlier launches left to reduce and what later
-      # launches will accumulate into: no other kernel initialises a buffer.
+      # One program writes what earlier launches left to reduce, what later
+      # launches will accumulate into and what the step's state update will read:
+      # no other kernel initialises or copies a buffer.
       if amax.reduce:
         reduced_ref[0] = _reduce_tiles(tiles_in_ref, tiles_running_ref[0])
       for seed_ref in seed_refs:
         seed_ref[0] = jnp.float32(0)
+      for length, src, dst in zip(amax.passed, passed_in_refs, passed_out_refs):
+        _copy_vector(src, dst, length)
       if amax.accumulate == "accumulator":
         plgpu.atomic_max(amax_ref, jnp.int32(0), amax_in_ref[0])
 
@@ -186,6 +195,15 @@ def _store(ref, value, mask):
     plgpu.store(ref, value, mask=mask)
 
 
+def _copy_vector(src_ref, dst_ref, length: int):
+  """dst[:length] = src[:length], a chunk at a time (one program)."""
+  for start in range(0, length, _REDUCE_CHUNK):
+    index = start + lax.iota(jnp.int32, _REDUCE_CHUNK)
+    mask = index < length
+    plgpu.store(dst_ref.at[index], plgpu.load(src_ref.at[index], mask=mask, other=0.0),
+                mask=mask)
+
+
 def _reduce_tiles(tiles_ref, running):
   """max(running, max(tiles)) on bit patterns (amaxes are >= 0 or NaN), a chunk at a time."""
   count = tiles_ref.shape[0]
@@ -200,14 +218,15 @@ def _reduce_tiles(tiles_ref, running):
   return lax.bitcast_convert_type(best, jnp.float32)
 
 
-def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None, *,
-          cast: _Cast | None, amax: _Amax, block_sizes: CastTransposeBlockSizes,
+def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
+          passed=(), *, cast: _Cast | None, amax: _Amax, block_sizes: CastTransposeBlockSizes,
           interpret: bool):
   """Runs the kernel over all tiles of x.
 
-  Returns (q, q_t, amax_out, products, reduced, seeds): q None without a cast,
-  products None without partners, amax_out float32[] or (`amax.accumulate ==
-  "tiles"`) float32[tile_count], reduced None unless `amax.reduce`, seeds a tuple.
+  Returns (q, q_t, amax_out, products, reduced, seeds, passed): q None without a
+  cast, products None without partners, amax_out float32[] or (`amax.accumulate ==
+  "tiles"`) float32[tile_count], reduced None unless `amax.reduce`, seeds and passed
+  (copies of `passed`, float32 vectors) tuples.
   """
   tiling = tiling_for(x.shape, block_sizes)
   rows, cols = x.shape
@@ -219,7 +238,7 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   # 0-d blocks: the GEMM reads each product as its scalar operand directly (a [1]
   # array would need a reshape XLA puts between converts, costing a kernel).
   rank0_spec = pl.BlockSpec((), lambda i, j: ())
-  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles)
+  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed)
   # Inside shard_map: a buffer written in place gives its type to the output, so it
   # carries that of max(amax_in, max|x|); every other output varies as what it is
   # computed from.
@@ -246,6 +265,9 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
     tiles_in, tiles_running = tiles
     operands += [tiles_in, tiles_running.reshape(1)]
     in_specs += [pl.BlockSpec(tiles_in.shape, lambda i, j: (0,)), scalar_spec]
+  whole_vector = lambda length: pl.BlockSpec((length,), lambda i, j: (0,))
+  operands += list(passed)
+  in_specs += [whole_vector(length) for length in amax.passed]
 
   out_specs, out_shape = [], []
   if cast is not None:
@@ -275,6 +297,9 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
     out_shape.append(out_struct((1,), jnp.float32, varying_axes(*tiles)))
   out_specs += [scalar_spec] * amax.seeds
   out_shape += [out_struct((1,), jnp.float32)] * amax.seeds
+  out_specs += [whole_vector(length) for length in amax.passed]
+  out_shape += [out_struct((length,), jnp.float32, varying_axes(vector))
+                for length, vector in zip(amax.passed, passed)]
   outs = pl.pallas_call(
       functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners, amax=amax),
       grid=tiling.grid,
@@ -290,17 +315,19 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   amax_out = outs[amax_at] if amax.accumulate == "tiles" else outs[amax_at].reshape(())
   products = tuple(outs[amax_at - n_partners:amax_at]) if n_partners else None
   reduced = outs[amax_at + 1].reshape(()) if amax.reduce else None
-  seeds = tuple(s.reshape(()) for s in outs[len(outs) - amax.seeds:]) if amax.seeds else ()
+  seeds_at = amax_at + 1 + amax.reduce
+  seeds = tuple(s.reshape(()) for s in outs[seeds_at:seeds_at + amax.seeds])
+  copies = tuple(outs[seeds_at + amax.seeds:])
   q = outs[0] if cast is not None else None
   q_t = outs[1] if cast is not None and cast.transpose else None
-  return q, q_t, amax_out, products, reduced, seeds
+  return q, q_t, amax_out, products, reduced, seeds, copies
 
 
 @functools.partial(jax.jit, static_argnames=("cast", "amax", "block_sizes", "interpret"))
-def _call_jit(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None, *,
-              cast, amax=_Amax(), block_sizes, interpret):
-  return _call(x, scale, amax_in, descale, partners, accumulator, tiles, cast=cast, amax=amax,
-               block_sizes=block_sizes, interpret=interpret)
+def _call_jit(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
+              passed=(), *, cast, amax=_Amax(), block_sizes, interpret):
+  return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, cast=cast,
+               amax=amax, block_sizes=block_sizes, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -350,9 +377,9 @@ def cast_transpose_amax(
   _check_block_sizes(block_sizes)
   cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
   descale, partner_descales = _check_products(descale, partner_descales)
-  q, q_t, amax_out, products, _, _ = _call_jit(x, scale, amax_in, descale, partner_descales,
-                                               cast=cast, block_sizes=block_sizes,
-                                               interpret=interpret)
+  q, q_t, amax_out, products, *_ = _call_jit(x, scale, amax_in, descale, partner_descales,
+                                             cast=cast, block_sizes=block_sizes,
+                                             interpret=interpret)
   return (q, q_t, amax_out) if products is None else (q, q_t, amax_out, products)
 
 
@@ -391,6 +418,7 @@ class ChainedCast(NamedTuple):
     products: the GEMMs' combined descales (None without `partner_descales`).
     reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
     seeds: `seeds` float32[] zeros, each an accumulator for a later launch.
+    passed: copies of the `pass_through` arrays, in their shapes.
   """
 
   q: jax.Array
@@ -399,6 +427,7 @@ class ChainedCast(NamedTuple):
   products: tuple | None
   reduced: jax.Array | None
   seeds: tuple
+  passed: tuple = ()
 
 
 def cast_transpose_amax_in_chain(
@@ -406,7 +435,7 @@ def cast_transpose_amax_in_chain(
     transpose: bool = True, descale: jax.Array | None = None,
     partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
     tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
-    block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
+    pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
     interpret: bool = False,
 ) -> ChainedCast:
   """`cast_transpose_amax` as one launch of a chain that initialises no buffer.
@@ -424,6 +453,11 @@ def cast_transpose_amax_in_chain(
     (`accumulator=`), folding their own amax_in in.
 
   Each of these extra values is written by one program of a launch that runs anyway.
+  So are copies of small arrays (`pass_through`): the scales and amax histories the
+  step's state update reads. An update that reads a jit parameter keeps it alive
+  until the step's end, so with the state donated XLA must copy every new value it
+  writes into that parameter's buffer; read from these copies, the parameters die
+  at the casts and the update writes its results where they were.
 
   Args:
     x, scale, fp8_dtype, fp8_max, transpose, descale, partner_descales, block_sizes,
@@ -435,6 +469,7 @@ def cast_transpose_amax_in_chain(
     reduce: (tiles float32[T], running float32[]) of an earlier launch: also return
       max(running, max(tiles)).
     seeds: how many float32[] zeros to return (0 to 4).
+    pass_through: float32 arrays of at most one dimension to return copies of.
 
   Returns:
     A `ChainedCast`.
@@ -452,10 +487,14 @@ def cast_transpose_amax_in_chain(
     raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
   cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
   descale, partner_descales = _check_products(descale, partner_descales)
-  amax = _Amax(accumulate=accumulate, reduce=tiles is not None, seeds=seeds)
-  return ChainedCast(*_call_jit(x, scale, amax_in, descale, partner_descales, accumulator,
-                                tiles, cast=cast, amax=amax, block_sizes=block_sizes,
-                                interpret=interpret))
+  passed = _check_pass_through(pass_through)
+  amax = _Amax(accumulate=accumulate, reduce=tiles is not None, seeds=seeds,
+               passed=tuple(int(jnp.size(a)) for a in passed))
+  out = _call_jit(x, scale, amax_in, descale, partner_descales, accumulator, tiles,
+                  tuple(jnp.ravel(a) for a in passed), cast=cast, amax=amax,
+                  block_sizes=block_sizes, interpret=interpret)
+  copies = tuple(c.reshape(jnp.shape(a)) for c, a in zip(out[-1], passed))
+  return ChainedCast(*out[:-1], copies)
 
 
 def cast_transpose_amax_in_chain_reference(
@@ -463,7 +502,7 @@ def cast_transpose_amax_in_chain_reference(
     transpose: bool = True, descale: jax.Array | None = None,
     partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
     tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
-    block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
+    pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
 ) -> ChainedCast:
   """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
   _check_x(x)
@@ -481,7 +520,7 @@ def cast_transpose_amax_in_chain_reference(
     amax_out = tile_maxima(x, block_sizes)
   reduced = _bits_max(tiles[1], tiles[0]) if tiles is not None else None
   return ChainedCast(q, q_t, amax_out, products[0] if products else None, reduced,
-                     (jnp.float32(0),) * seeds)
+                     (jnp.float32(0),) * seeds, _check_pass_through(pass_through))
 
 
 def _bits_max(*values):
@@ -598,6 +637,19 @@ def _check_reduce(reduce):
     raise ValueError(f"reduce[0] must be a non-empty float32 vector of tile maxima, got shape "
                      f"{jnp.shape(tiles)} and dtype {jnp.result_type(tiles)}.")
   return tiles, _scalar_f32(running, "reduce[1]")
+
+
+def _check_pass_through(pass_through) -> tuple:
+  """The arrays to copy through, as float32 arrays of at most one dimension."""
+  if not isinstance(pass_through, (tuple, list)):
+    raise ValueError(f"pass_through must be a tuple of float32 arrays, got "
+                     f"{type(pass_through).__name__}.")
+  arrays = tuple(jnp.asarray(a) for a in pass_through)
+  for i, a in enumerate(arrays):
+    if a.ndim > 1 or a.size == 0 or a.dtype != jnp.float32:
+      raise ValueError(f"pass_through[{i}] must be a non-empty float32 scalar or vector, got "
+                       f"shape {a.shape} and dtype {a.dtype}.")
+  return arrays
 
 
 def _scalar_f32(value, argname: str) -> jax.Array:

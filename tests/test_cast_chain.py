@@ -64,13 +64,19 @@ def _max_abs(*tensors) -> np.float32:
   return np.float32(max(np.max(np.abs(np.asarray(t, np.float64))) for t in tensors))
 
 
+# What x's cast copies through for the state update: scales, amax histories, an amax.
+STATE = (jnp.float32(3.0), jnp.arange(16, dtype=jnp.float32) / 7, jnp.float32(0.125),
+         jnp.arange(1500, dtype=jnp.float32))
+
+
 def _chain(run, k, x, g, k_running, x_running, g_running):
   """The three casts of an FP8 dense layer as `fp8jax.ops.dot` chains them."""
   first = run(k, jnp.float32(2.0), None, fp8_dtype=E4M3, fp8_max=448.0, tile_amaxes=True,
               seeds=1)
   second = run(x, jnp.float32(3.0), x_running, fp8_dtype=E4M3, fp8_max=448.0,
                accumulator=first.seeds[0], reduce=(first.amax, k_running), seeds=1,
-               descale=jnp.float32(1 / 3), partner_descales=(jnp.float32(0.5),))
+               descale=jnp.float32(1 / 3), partner_descales=(jnp.float32(0.5),),
+               pass_through=STATE)
   third = run(g, jnp.float32(512.0), g_running, fp8_dtype=E5M2, fp8_max=57344.0,
               accumulator=second.seeds[0], descale=jnp.float32(1 / 512),
               partner_descales=(jnp.float32(0.5), jnp.float32(1 / 3)))
@@ -95,6 +101,9 @@ def test_chained_launches_are_bitwise_their_definition_and_give_each_tensors_ama
   assert np.float32(third.amax) == _max_abs(g)
   assert [float(s) for s in first.seeds + second.seeds] == [0.0, 0.0]
   assert third.seeds == () and third.reduced is None
+  # The copies the state update reads: the arrays themselves, shapes and bits.
+  _assert_bitwise(second.passed, STATE)
+  assert first.passed == () == third.passed
 
 
 def test_tile_maxima_are_each_tiles_own_in_program_order():
@@ -145,6 +154,9 @@ def test_an_accumulator_keeps_a_nan_running_amax_and_a_larger_one():
     (dict(reduce=(jnp.ones(3), jnp.ones(2))), r"reduce\[1\] must be a float32 scalar"),
     (dict(accumulator=jnp.zeros(1)), r"accumulator must be a float32 scalar"),
     (dict(seeds=5), r"seeds=5 must be an int from 0 to 4"),
+    (dict(pass_through=jnp.ones(3)), r"pass_through must be a tuple"),
+    (dict(pass_through=(jnp.ones((2, 2)),)), r"pass_through\[0\] must be a non-empty float32"),
+    (dict(pass_through=(jnp.ones(2, jnp.bfloat16),)), r"pass_through\[0\] .* bfloat16"),
 ])
 def test_bad_chain_arguments_raise_errors_that_name_them(kwargs, message):
   args = dict(amax_in=jnp.float32(0.0))

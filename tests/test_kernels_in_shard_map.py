@@ -109,8 +109,9 @@ def test_cast_kernel_outputs_vary_as_its_definitions_do_for_every_input_layout()
 @multidevice
 def test_chained_cast_outputs_vary_as_their_definitions_do_for_every_input_layout():
   """The launches of a layer's cast chain (`cast_transpose_amax_in_chain`): tile maxima,
-  their reduction, zeroed seeds and an accumulator written in place, with the kernel's
-  tensor, the earlier launch's tensor and the running amaxes each replicated or split."""
+  their reduction, zeroed seeds, an accumulator written in place and copies of the
+  state, with the kernel's tensor, the earlier launch's tensor and the running amaxes
+  each replicated or split."""
   x, scalars = _cast_inputs(13)
   options = dict(fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0)
   mismatches = []
@@ -118,7 +119,8 @@ def test_chained_cast_outputs_vary_as_their_definitions_do_for_every_input_layou
   def chain(run, first_x, second_x, running):
     first = run(first_x, scalars["scale"], None, tile_amaxes=True, seeds=1, **options)
     second = run(second_x, scalars["scale"], running, accumulator=first.seeds[0],
-                 reduce=(first.amax, running), seeds=1, **options)
+                 reduce=(first.amax, running), seeds=1,
+                 pass_through=(running, jnp.stack([running] * 16)), **options)
     third = run(first_x, scalars["scale"], running, accumulator=second.seeds[0], **options)
     return first, second, third
 

@@ -24,8 +24,9 @@ on its own shard:
 * the amax outputs ("amax") are made global by a max over the mesh axes that
   split `t` (bit for bit the single-device amax: a max does not depend on the
   order it is taken in); so are the maxima of the kernel's tiles ("tiles", left
-  for a later kernel to reduce), where `t` is split; other scalar outputs
-  ("scalar") come from replicated operands alone and stay replicated.
+  for a later kernel to reduce), where `t` is split; other scalar and vector
+  outputs ("scalar", "vector") come from replicated operands alone and stay
+  replicated.
 
 An axis of `t` whose size the mesh does not divide is gathered first (XLA would
 pad the shard, and the padding would enter the amax). A tensor that is
@@ -49,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fp8jax.core.quantize import max_by_bits
 
-OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles")
+OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
 
 
 def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
@@ -133,7 +134,7 @@ def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
 
 def _sharding_rule(ranks: tuple, outputs) -> str:
   """Shardy's einsum-like rule: t is `r c`, scalars (operands and outputs) are rank 0,
-  each vector operand and tiles output a factor of its own (replicated in `partition`)."""
+  each vector operand and output a factor of its own (replicated in `partition`)."""
   layout = {"same": "r c", "transposed": "c r", "amax": "", "scalar": ""}
   operands = ", ".join(["r c"] + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
   results = ", ".join(layout.get(kind, f"w{i}") for i, kind in enumerate(outputs))
@@ -178,7 +179,8 @@ def _divisible_spec(mesh, shape) -> PartitionSpec:
 def _result_shardings(mesh, t_spec: PartitionSpec, outputs) -> tuple:
   rows, cols = tuple(t_spec) + (None,) * (2 - len(t_spec))
   specs = {"same": PartitionSpec(rows, cols), "transposed": PartitionSpec(cols, rows),
-           "amax": PartitionSpec(), "scalar": PartitionSpec(), "tiles": PartitionSpec()}
+           "amax": PartitionSpec(), "scalar": PartitionSpec(), "tiles": PartitionSpec(),
+           "vector": PartitionSpec()}
   return tuple(NamedSharding(mesh, specs[kind]) for kind in outputs)
 
 

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
 import pallas_kernels
 from fp8jax.core.formats import Fp8Format
@@ -155,6 +156,7 @@ class Cast(NamedTuple):
     products: the GEMMs' combined descales (None without `partner_descales`).
     reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
     seeds: float32[] zeros, accumulators for later casts.
+    passed: copies of the `pass_through` arrays.
   """
 
   q: jax.Array
@@ -163,13 +165,14 @@ class Cast(NamedTuple):
   products: tuple | None
   reduced: jax.Array | None
   seeds: tuple
+  passed: tuple
 
 
 def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None,
                   fmt: Fp8Format, *, descale: jax.Array | None = None,
                   partner_descales: tuple | None = None, gathered_for: jax.Array | None = None,
                   accumulator: jax.Array | None = None, tile_amaxes: bool = False,
-                  reduce: tuple | None = None, seeds: int = 0) -> Cast:
+                  reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = ()) -> Cast:
   """`cast_transpose_amax` as one cast of a chain whose amaxes need no kernel of their own.
 
   The cast kernel folds its tiles' maxima into one float32 with atomics, so that
@@ -184,8 +187,13 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     returned as `reduced`) and writes zeroed buffers (`seeds=n`);
   * a later one accumulates its amax into such a buffer (`accumulator=`).
 
+  A cast can also copy small arrays through (`pass_through`), for the step's state
+  update to read instead of the step's parameters: with the FP8 state donated,
+  XLA can then write the update's results where those parameters were instead of
+  copying each one there after the update.
+
   Elsewhere (the jnp form) the same values: the tile maxima are a vector of
-  max|x| as long as the kernel's, the seeds zeros.
+  max|x| as long as the kernel's, the seeds zeros, the copies the arrays themselves.
 
   Args:
     x, scale, running_amax, fmt, descale, partner_descales, gathered_for: as for
@@ -194,16 +202,22 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     tile_amaxes: return the tile maxima instead of the running amax.
     reduce: (tiles, running) of an earlier cast.
     seeds: how many zeroed accumulators to return.
+    pass_through: float32 scalars and vectors to return copies of.
 
   Returns:
     A `Cast`.
   """
+  if pass_through and gathered_for is not None:
+    raise ValueError("pass_through is for casts of activations and gradients; a weight's cast "
+                     "(gathered_for=...) runs under a partitioning rule without it.")
   with_products = partner_descales is not None
   n_products = len(partner_descales) if with_products else 0
   tiles_len = pallas_kernels.tile_count(x.shape) if tile_amaxes and x.ndim == 2 else 1
 
+  shapes = tuple(jnp.shape(a) for a in pass_through)
+
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-                gathered_for=None):
+                pass_through, gathered_for=None):
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if with_products else None)
@@ -216,7 +230,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     if reduce is not None:
       tiles, running = reduce
       reduced = amax_max(running, max_by_bits(tiles))
-    return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds)
+    return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds,
+                tuple(pass_through))
 
   def local_kernel(x, scale, *operands):
     operands = list(operands)
@@ -228,20 +243,22 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     out = pallas_kernels.cast_transpose_amax_in_chain(
         x, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
         partner_descales=partners, accumulator=acc, tile_amaxes=tile_amaxes, reduce=tiles,
-        seeds=seeds)
+        seeds=seeds, pass_through=tuple(operands))
     return (out.q, out.q_t, out.amax, *(out.products or ()),
-            *((out.reduced,) if reduce is not None else ()), *out.seeds)
+            *((out.reduced,) if reduce is not None else ()), *out.seeds, *out.passed)
 
   kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
-           + ("scalar",) * (n_products + (reduce is not None) + seeds))
+           + ("scalar",) * (n_products + (reduce is not None) + seeds)
+           + ("vector",) * len(pass_through))
   per_shard = shard_local(local_kernel, kinds)
 
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-             gathered_for):
+             pass_through, gathered_for):
+    # Copied through as vectors (a partitioning rule gives each output one layout).
     operands = ([] if tile_amaxes else [running_amax]) + (
         [descale, *partner_descales] if with_products else []) + (
         [accumulator] if accumulator is not None else []) + (
-        list(reduce) if reduce is not None else [])
+        list(reduce) if reduce is not None else []) + [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
       results = local_kernel(x, scale, *operands)
     elif gathered_for is None:
@@ -254,12 +271,31 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     products = tuple(rest[:n_products]) if with_products else None
     rest = rest[n_products:]
     reduced = rest.pop(0) if reduce is not None else None
-    return Cast(q, q_t, new_amax, products, reduced, tuple(rest))
+    passed = tuple(c.reshape(shape) for c, shape in zip(rest[seeds:], shapes))
+    return Cast(q, q_t, new_amax, products, reduced, tuple(rest[:seeds]), passed)
 
-  args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce, gathered_for)
-  if not _takes(x):
-    return reference(*args)
-  return choose(args, kernel, reference)
+  args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce,
+          tuple(pass_through), gathered_for)
+  cast = reference(*args) if not _takes(x) else choose(args, kernel, reference)
+  return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
+
+
+@custom_vmap
+def _copy_of(original: jax.Array, copy: jax.Array) -> jax.Array:
+  """`copy`, a kernel's copy of `original`. Under `jax.vmap` a kernel's outputs all come
+  out batched (`fp8jax.mesh.partitioning.vmapped_as`); a copy of an unbatched array
+  does not vary over the batch, so there it is the original itself."""
+  del original
+  return copy
+
+
+@_copy_of.def_vmap
+def _copy_of_rule(axis_size, in_batched, original, copy):
+  del axis_size
+  original_batched, copy_batched = in_batched
+  if copy_batched and not original_batched:
+    return original, False
+  return copy, copy_batched
 
 
 def tensor_amax(x: jax.Array) -> jax.Array:
