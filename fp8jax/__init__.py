@@ -35,7 +35,7 @@ from fp8jax.ops.ragged_dot import fp8_ragged_dot
 from fp8jax.ops.attention import attention, fp8_attention
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
-from fp8jax.ops import saved_activations
+from fp8jax.ops import saved_activations  # noqa: F401  (fp8jax.saved_activations.policy())
 from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, UnthreadedStateError,
                                differentiating_fp8_state)
 from fp8jax.step.close import begin_step, close_step, end_step, merge_step
@@ -61,6 +61,6 @@ __all__ = [
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
-    "rms_norm", "add_rms_norm", "gelu", "saved_activations",
+    "rms_norm", "add_rms_norm", "gelu",
     "attention_backend", "deviceless", "fused_kernels", "lowering", "optim", "telemetry",
 ]

@@ -316,8 +316,15 @@ def _project(layer, x: jax.Array, x_amax: jax.Array | None) -> jax.Array:
 
 
 def _writes_amax(recipe: Recipe | None) -> bool:
-  """Whether the norms and the GELU return their output's amax for the projection after
-  them (not yet: the projections take it once `fp8_dense` does)."""
+  """Whether the norms and the GELU hand the projection after them their output's amax
+  (`x_amax`), so that current scaling skips its amax pass over the projection's input.
+
+  Not yet: computed by XLA beside the output, that amax costs what the projection's own
+  pass costs (deviceless H100, current scaling, a norm -> dense -> GELU -> dense step at
+  2048: 317 us with the amaxes handed over, 308 us without; XLA reads the norm's input
+  again for it). It pays once a kernel writes the output and its amax in one pass.
+  """
+  del recipe
   return False
 
 
