@@ -44,8 +44,9 @@ def run_gpu_tests(out: pathlib.Path, smoke: bool) -> dict:
       filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
   # tests/conftest.py defaults JAX_PLATFORMS to cpu; on a GPU the tests must see it.
   env["JAX_PLATFORMS"] = "cpu" if smoke else ""
-  command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-             f"--junitxml={junit}", str(REPO_ROOT / "tests")]
+  # -n 0: one process; workers of their own would share the GPU's memory.
+  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "-p",
+             "no:cacheprovider", f"--junitxml={junit}", str(REPO_ROOT / "tests")]
   proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
   tests = _junit_outcomes(junit) if junit.exists() else []
   junit.unlink(missing_ok=True)

@@ -1,11 +1,49 @@
-"""Test defaults: CPU only, unless the environment says otherwise."""
+"""Test defaults: CPU only, unless the environment says otherwise; one scratch directory per run."""
 import os
+import shutil
+import tempfile
+import warnings
 
 import pytest
 
 # Before jax is imported anywhere: tests run on the CPU backend; deviceless H100
 # compiles do not need a GPU backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# A directory for the whole run: the pytest-xdist workers and the processes tests start
+# inherit it (`RUN_DIR` in their environment), and the process that made it removes it.
+RUN_DIR = "FP8JAX_TEST_RUN_DIR"
+_MADE_RUN_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+  # The first process of a run (the xdist controller, or the only one) makes it, before
+  # any worker starts and before jax is imported.
+  if os.environ.get(RUN_DIR):
+    return
+  run_dir = tempfile.mkdtemp(prefix="fp8jax-test-run-")
+  os.environ[RUN_DIR] = run_dir
+  config.stash[_MADE_RUN_DIR] = run_dir
+  # JAX's persistent compilation cache, within this run only: a program compiled by one
+  # worker or test subprocess (the demo GPT's steps, the CLI runs) is loaded by the others.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(run_dir, "jax_cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_compiles_each_thread_program_once():
+  """Mosaic GPU's CPU interpreter without its repeated compiles (interpreter_compile_once.py)."""
+  import interpreter_compile_once
+  if not interpreter_compile_once.install():
+    warnings.warn("this JAX's Mosaic GPU interpreter is not the form tests/"
+                  "interpreter_compile_once.py knows: the interpreter tests compile each "
+                  "thread's program per thread and CTA (several times slower)")
+
+
+def pytest_unconfigure(config):
+  run_dir = config.stash.get(_MADE_RUN_DIR, None)
+  if run_dir:
+    del os.environ[RUN_DIR]
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def pytest_sessionstart(session):

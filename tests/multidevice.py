@@ -29,8 +29,10 @@ def run_mesh_tests_in_subprocess(test_file: str, n_mesh_tests: int) -> None:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={N_DEVICES}").strip())
+  # -n 0: one process with its 8 devices, not a worker per core of its own.
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+      [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+       str(test_file)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
   summary = proc.stdout.strip().splitlines()[-1]

@@ -8,6 +8,7 @@ orbax and fp8jax wrote, as found on disk, so a new orbax layout is covered too.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import json
 import os
@@ -70,12 +71,27 @@ def _state(seed: int = 7):
 
 @functools.cache
 def _saved() -> tuple[pathlib.Path, tuple]:
-  """The checkpoint every case copies, and the state it holds (saved once per process)."""
-  root = pathlib.Path(tempfile.mkdtemp(prefix="fp8jax-checkpoint-integrity-"))
-  atexit.register(shutil.rmtree, root, ignore_errors=True)
+  """The checkpoint every case copies, and the state it holds (saved once per run).
+
+  The cases are its files, and orbax names data files at random (and writes 3 or 4 of
+  them), so the processes of one run (pytest-xdist workers) share one checkpoint, saved by
+  the first of them: each collects the same cases. The state is computed in each process
+  (a seeded step on the CPU, the same bits in every process).
+  """
   state = _state()
-  path = ckpt.save(root / "saved", params=state[0], opt_state=state[1], fp8_state=state[2])
-  return path, state
+  run_dir = os.environ.get("FP8JAX_TEST_RUN_DIR")   # tests/conftest.py
+  if not run_dir:
+    root = pathlib.Path(tempfile.mkdtemp(prefix="fp8jax-checkpoint-integrity-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return ckpt.save(root / "saved", params=state[0], opt_state=state[1],
+                     fp8_state=state[2]), state
+  root = pathlib.Path(run_dir) / "checkpoint_integrity"
+  root.mkdir(exist_ok=True)
+  with open(root / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)   # released when closed
+    if not ckpt.is_complete(root / "saved"):
+      ckpt.save(root / "saved", params=state[0], opt_state=state[1], fp8_state=state[2])
+  return root / "saved", state
 
 
 def _files() -> list[str]:

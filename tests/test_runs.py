@@ -172,6 +172,21 @@ def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
                    recipes=("bf16", "delayed", "current"), progress=False, resume=True)
 
 
+def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path):
+  import flax
+  import jaxlib
+  import optax
+  # The bf16 run alone: its compiled step is the one the comparison above used.
+  runs.compare(_config(checkpoint_every=24), tmp_path, recipes=("bf16",), progress=False)
+  saved = json.loads((tmp_path / "compare.json").read_text())
+  # Compared with what each imported module says of itself (compare.py asks the
+  # installed distributions), so a name or a version read from the wrong place fails.
+  assert saved["versions"] == {
+      "python": "{}.{}.{}".format(*sys.version_info[:3]), "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__,
+      "numpy": np.__version__}
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--data", "does/not/exist.txt"], "does/not/exist.txt"),
     (["--steps", "0"], "--steps 0 must be a positive integer"),

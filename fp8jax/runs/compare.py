@@ -4,24 +4,30 @@ Every run uses the same settings, seed and data (only the recipe differs), in
 `<out>/<recipe>/`. The comparison is written to `<out>/compare.json`:
 
     {"config": {...}, "runs": [{"recipe", "final_loss", "rel_gap_vs_bf16", "val_loss",
-                                "tokens_per_s", "step_time_s", "attention_backend"}, ...]}
+                                "tokens_per_s", "step_time_s", "attention_backend"}, ...],
+     "versions": {"python", "jax", "jaxlib", "flax", "optax", "numpy"}, "files": [...]}
 
 with `final_loss` the mean training loss over the last 10% of steps and
-`rel_gap_vs_bf16 = final_loss / bf16's final_loss - 1` (and `files`: what was
-written), and drawn as `<out>/compare.png` (loss curves) and
+`rel_gap_vs_bf16 = final_loss / bf16's final_loss - 1`, `versions` the Python and
+library versions the comparison ran on (a recorded result is only reproducible with
+them), and `files` what was written; drawn as `<out>/compare.png` (loss curves) and
 `<out>/fp8_scales.png` (per-layer scales over the steps of the first FP8 run),
 when matplotlib is installed.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import pathlib
+import platform
 
 from fp8jax.runs import checkpoints, metrics, plots
 from fp8jax.runs.config import RunConfig, RunError
 from fp8jax.runs.train import RunResult, train
 
 DEFAULT_RECIPES = ("bf16", "delayed", "current")
+# The distributions whose versions decide a comparison's numbers (compare.json "versions").
+VERSIONED = ("jax", "jaxlib", "flax", "optax", "numpy")
 
 
 def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool = True,
@@ -76,7 +82,7 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   settings = {k: v for k, v in config.to_dict().items() if k != "recipe"}
   if settings.get("schedule_steps") == config.steps:
     settings["schedule_steps"] = None  # the default (the run's steps), as a fresh run says
-  report = {"config": settings, "runs": runs}
+  report = {"config": settings, "runs": runs, "versions": _versions()}
   curves = {recipe: [result.out_dir / metrics.FILE] for recipe, result in results.items()}
   written = [plots.loss_curves(curves, out_dir / "compare.png")]
   fp8_runs = [r for r in recipes if r != "bf16"]
@@ -87,6 +93,16 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   report["files"] = ["compare.json"] + [path.name for path in written if path is not None]
   (out_dir / "compare.json").write_text(json.dumps(metrics.finite(report), indent=1))
   return report
+
+
+def _versions() -> dict[str, str]:
+  """The Python version and the installed version of each of `VERSIONED`.
+
+  Returns:
+    `{"python": "3.11.7", "jax": ..., "jaxlib": ..., "flax": ..., "optax": ..., "numpy": ...}`.
+  """
+  return {"python": platform.python_version(),
+          **{name: importlib.metadata.version(name) for name in VERSIONED}}
 
 
 def _finished(config: RunConfig, run_dir: pathlib.Path) -> RunResult:
