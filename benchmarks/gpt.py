@@ -12,10 +12,18 @@ backends are forced, to compare them inside the same model.
 
 tokens/s = batch * seq / median step time. The acceptance target on an H100: FP8 (delayed
 scaling, automatic attention) >= 1.25x bf16 (automatic attention) at the 1b size.
+
+Memory, per row: what XLA's analysis gives the step compiled for this device (`memory`:
+arguments, temp, outputs, aliased and their total in bytes, as `fp8jax cost --gpt`
+predicts without a GPU) and the device's peak bytes in use after the row
+(`peak_bytes_in_use`; the process's peak so far, so the largest row's peak is its own
+when the rows run smallest first). `--optimizer adamw_fp8 --saved-activations fp8`
+measures the memory-saving variant.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -23,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from fp8jax.lowering.memory import memory_of
 from fp8jax.models import gpt
 from fp8jax.runs import steps
 from fp8jax.runs.config import RunConfig
@@ -57,37 +66,48 @@ def time_steps(train_step, state, tokens, *, warmup: int, repeats: int,
 
 
 def run_one(size: str, recipe: str, backend: str | None, batch: int, seq: int, *,
-            warmup: int, repeats: int, steps_per_sample: int) -> dict:
+            warmup: int, repeats: int, steps_per_sample: int, optimizer: str = "adamw",
+            saved_activations: str = "default") -> dict:
   """One row: the demo's train step for `recipe` ("bf16", "delayed", ...) with `backend`."""
-  config = RunConfig(recipe=recipe, size=size, seq=seq, batch=batch)
+  config = RunConfig(recipe=recipe, size=size, seq=seq, batch=batch, optimizer=optimizer,
+                     saved_activations=saved_activations)
   model, tx, _ = steps.build(config)
-  model = model.clone(config=gpt.config_for(size, seq_len=seq, attention_backend=backend))
+  model = model.clone(config=dataclasses.replace(model.config, attention_backend=backend))
   fp8 = config.recipe_object is not None
   chosen = gpt.attention_backend(model.config, config.recipe_object, batch, seq)
   params, opt_state, fp8_state = steps.init_state(model, tx, config)
   tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, gpt.VOCAB_SIZE, jnp.int32)
-  stats = time_steps(steps.train_step_for(model, tx, fp8), (params, opt_state, fp8_state),
+  train_step = steps.train_step_for(model, tx, fp8)
+  compiled = train_step.lower(params, opt_state, fp8_state, tokens).compile()
+  memory = memory_of(compiled, label=recipe, target=str(jax.devices()[0].device_kind))
+  stats = time_steps(train_step, (params, opt_state, fp8_state),
                      tokens, warmup=warmup, repeats=repeats, steps_per_sample=steps_per_sample)
+  device_stats = jax.devices()[0].memory_stats() or {}   # None on some platforms (CPU)
   return {"recipe": recipe, "requested_backend": backend or "auto", "attention_backend": chosen,
-          "step": stats, "tokens_per_s": batch * seq / stats["median_s"]}
+          "optimizer": optimizer, "saved_activations": saved_activations,
+          "step": stats, "tokens_per_s": batch * seq / stats["median_s"],
+          "memory": memory.to_dict(), "peak_bytes_in_use": device_stats.get("peak_bytes_in_use")}
 
 
 def run(size: str, batch: int, seq: int, recipes, backends, *, warmup: int = 2,
-        repeats: int = 5, steps_per_sample: int = 3) -> dict:
+        repeats: int = 5, steps_per_sample: int = 3, optimizer: str = "adamw",
+        saved_activations: str = "default") -> dict:
   """Every (recipe, backend) row; a row that cannot run says why instead of a number."""
   rows = []
   for recipe in tqdm(recipes, desc="recipes"):
     for backend in backends:
       try:
         row = run_one(size, recipe, backend, batch, seq, warmup=warmup, repeats=repeats,
-                      steps_per_sample=steps_per_sample)
+                      steps_per_sample=steps_per_sample, optimizer=optimizer,
+                      saved_activations=saved_activations)
       except Exception as error:  # noqa: BLE001 - record why a combination cannot run here
         row = {"recipe": recipe, "requested_backend": backend or "auto",
                "skipped": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
         print(f"{recipe:8s} {backend or 'auto':18s} skipped: {row['skipped']}")
       else:
         print(f"{recipe:8s} {backend or 'auto':18s} ({row['attention_backend']}): "
-              f"{row['tokens_per_s']:,.0f} tokens/s, {1e3 * row['step']['median_s']:.1f} ms/step")
+              f"{row['tokens_per_s']:,.0f} tokens/s, {1e3 * row['step']['median_s']:.1f} ms/step, "
+              f"{row['memory']['total'] / 2**30:.2f} GiB")
       rows.append(row)
   return {"size": size, "parameters": gpt.parameter_count(gpt.config_for(size)), "batch": batch,
           "seq": seq, "rows": rows, "fp8_speedup_vs_bf16": _auto_speedup(rows)}
@@ -112,6 +132,8 @@ def main(argv=None):
   parser.add_argument("--backends", default="auto",
                       help="comma-separated attention backends; 'auto' lets fp8jax choose")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--optimizer", default="adamw", help="adamw or adamw_fp8")
+  parser.add_argument("--saved-activations", default="default", help="default or fp8")
   parser.add_argument("--out", default=None, help="JSON path (default: print only)")
   args = parser.parse_args(argv)
   if args.smoke:
@@ -121,7 +143,9 @@ def main(argv=None):
   report = {**environment(), "benchmark": "gpt_train_step", "smoke": args.smoke,
             "results": run(args.size, args.batch, seq, args.recipes.split(","), backends,
                            warmup=1 if args.smoke else 2, repeats=args.repeats,
-                           steps_per_sample=1 if args.smoke else 3)}
+                           steps_per_sample=1 if args.smoke else 3,
+                           optimizer=args.optimizer,
+                           saved_activations=args.saved_activations)}
   write_report(report, args.out)
   return report
 
