@@ -9,7 +9,8 @@ measured on an H100: see that class). The budgets are those of the lean FP8 path
   and output gradient. Nothing launches for their amax buffers: the layer's casts
   hand each other the tile maxima and zeroed accumulators (`fp8jax.ops.fused_kernels
   .cast_in_chain`), where XLA used to copy each running amax first;
-* the FP8 state of the whole model is updated by one kernel per 32 roles per step;
+* the FP8 state of the whole model is updated by one kernel per 32 roles per step,
+  in place when the step donates it (no copy of a new scale or history);
 * every FP8 GEMM writes the model's dtype itself: no float32 product for a
   later kernel to rescale and convert;
 * `fp8_dense` forward+backward with delayed scaling runs the bf16 step's kernels
@@ -26,7 +27,7 @@ import pytest
 
 import fp8jax
 from fp8jax import deviceless
-from fp8jax.lowering.cost import cost
+from fp8jax.lowering.cost import cost, cost_hlo
 
 _MISSING = deviceless.deviceless_toolchain_missing()
 pytestmark = [pytest.mark.hopper, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
@@ -130,6 +131,27 @@ def test_fp8_dense_is_predicted_faster_than_bf16_with_delayed_scaling():
     # Three GEMMs, three cast-transpose-amax kernels, one update: bf16's kernels + 4.
     assert fp8.gemm_launches == 3 and fp8.non_gemm_launches <= bf16.non_gemm_launches + 4, \
         fp8.table()
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_a_donated_fp8_state_is_updated_where_it_was_without_a_copy(recipe):
+  """Train steps donate their FP8 state (DESIGN, memory contract): XLA then writes each
+  new value into the buffer of the value it replaces. The update reads the casts'
+  copies of the state, not the step's parameters, so nothing keeps those buffers
+  alive and no result is copied into them afterwards: the same kernels as without
+  donation, at any depth."""
+  for layers in (1, 4):
+    step, (params, state, x) = _stack_step(layers, recipe)
+    specs = [deviceless.on_h100(a) for a in (params, state, x)]
+    launches = {}
+    for donate in ((), (1,)):
+      compiled = jax.jit(step, donate_argnums=donate).lower(*specs).compile(
+          compiler_options=fp8jax.lowering.CUBLAS_ONLY_OPTIONS)
+      report = cost_hlo(compiled.as_text())
+      launches[donate] = [k.category for k in report.kernels for _ in range(k.launches)]
+    assert sorted(launches[(1,)]) == sorted(launches[()]), (layers, launches)
+    if recipe == DELAYED:
+      assert "copy" not in launches[(1,)], (layers, launches)
 
 
 def test_every_kernel_of_the_delayed_step_moves_a_tensor_but_the_state_update():

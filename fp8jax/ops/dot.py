@@ -311,10 +311,16 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
   # those tiles and leaves a zeroed buffer for the output gradient's amax. Current
   # scaling computes its running amaxes in the step, so its casts take them as they are.
   chain = not meta.recipe.scales_from_tensor
+  # x's cast also copies through the state the step's update reads (every role's
+  # scale and history, the output gradient's amax): read from these copies, the
+  # step's parameters die at the casts, so with the state donated the update writes
+  # its results where they were instead of XLA copying each result there after it.
+  passed = (meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
+            meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
   if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
-                                              seeds=int(chain))
+                                              seeds=int(chain), pass_through=passed)
     k_amax = amax_max(meta.kernel.amax, kernel_amax)
   elif chain:
     k_cast, scale_inv_k, k_running = _quantize_matrix(
@@ -323,20 +329,25 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
     qk, qk_t = k_cast.q, k_cast.q_t
     x_cast, scale_inv_x, _ = _quantize_matrix(
         x2, meta.x, x, (scale_inv_k,), accumulator=k_cast.seeds[0],
-        reduce=(k_cast.amax, k_running), seeds=1)
+        reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed)
     k_amax = x_cast.reduced
   else:
     k_cast, scale_inv_k, _ = _quantize_matrix(
         explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,
         gathered_for=x2)
     qk, qk_t, k_amax = k_cast.q, k_cast.q_t, k_cast.amax
-    x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,))
+    x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
+                                              pass_through=passed)
   (fprop_descale,) = x_cast.products
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
   out = explicit_mesh.reshape(out, layout.out_shape, layout.out_spec)
-  new_meta = dataclasses.replace(meta, x=dataclasses.replace(meta.x, amax=x_cast.amax),
-                                 kernel=dataclasses.replace(meta.kernel, amax=k_amax))
+  x_scale, x_history, k_scale, k_history, g_scale, g_history, g_amax = x_cast.passed
+  new_meta = DotMeta(
+      x=dataclasses.replace(meta.x, scale=x_scale, amax_history=x_history, amax=x_cast.amax),
+      kernel=dataclasses.replace(meta.kernel, scale=k_scale, amax_history=k_history,
+                                 amax=k_amax),
+      grad=dataclasses.replace(meta.grad, scale=g_scale, amax_history=g_history, amax=g_amax))
   # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad);
   # the output gradient's cast accumulates its amax into the zeroed buffer x's left.
   g_accumulator = x_cast.seeds[0] if chain else None
