@@ -142,7 +142,8 @@ class Fp8Dense(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
+    """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dense`'s)."""
     x = inputs
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
                         self.param_dtype)
@@ -150,7 +151,8 @@ class Fp8Dense(nn.Module):
             if self.use_bias else None)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     variable = dot_meta_variable(self, self.recipe)
-    y, new_meta = fp8_dense(x, kernel, bias, read_meta(self, variable))
+    y, new_meta = fp8_dense(x, kernel, bias, read_meta(self, variable),
+                            x_amax=_amax_of_cast(x_amax, inputs, x))
     store_dot_meta(self, variable, new_meta)
     return y
 
@@ -172,7 +174,8 @@ class Fp8DenseGeneral(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
+    """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dot_general`'s)."""
     x = inputs
     features = _as_tuple(self.features)
     axis = tuple(sorted(a % x.ndim for a in _as_tuple(self.axis)))
@@ -183,11 +186,18 @@ class Fp8DenseGeneral(nn.Module):
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     variable = dot_meta_variable(self, self.recipe)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
-    y, new_meta = fp8_dot_general(x, kernel, read_meta(self, variable), dims)
+    y, new_meta = fp8_dot_general(x, kernel, read_meta(self, variable), dims,
+                                  x_amax=_amax_of_cast(x_amax, inputs, x))
     store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)
     return y
+
+
+def _amax_of_cast(x_amax, inputs, x):
+  """`x_amax` when x is the inputs unchanged; None where the layer's `dtype` cast them
+  (rounding can move the largest value, so the amax is measured on the cast x)."""
+  return x_amax if x_amax is not None and x.dtype == inputs.dtype else None
 
 
 class Fp8Einsum(nn.Module):

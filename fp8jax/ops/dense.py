@@ -10,7 +10,7 @@ from fp8jax.ops.dot import fp8_dot_general
 
 
 def fp8_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-              meta: DotMeta) -> tuple[jax.Array, DotMeta]:
+              meta: DotMeta, *, x_amax: jax.Array | None = None) -> tuple[jax.Array, DotMeta]:
   """Dense layer `x @ kernel + bias` with FP8 fprop, dgrad and wgrad GEMMs.
 
   Args:
@@ -18,6 +18,8 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
     kernel: [K, N] floating array.
     bias: [N] array or None.
     meta: the layer's `DotMeta`.
+    x_amax: optional float32[] max|x| from the op that wrote x (see `fp8_dot_general`):
+      current scaling then reads x once instead of twice.
 
   Returns:
     (y, new_meta): y is [..., N] in x's dtype; new_meta has this use's amaxes.
@@ -40,7 +42,7 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
   # A 2-D GEMM is what cuBLASLt runs; folding the batch dims is a free reshape.
   batch_shape = x.shape[:-1]
   x2d = x.reshape(-1, x.shape[-1])
-  y, new_meta = fp8_dot_general(x2d, kernel, meta, (((1,), (0,)), ((), ())))
+  y, new_meta = fp8_dot_general(x2d, kernel, meta, (((1,), (0,)), ((), ())), x_amax=x_amax)
   y = y.reshape(*batch_shape, kernel.shape[1])
   if bias is not None:
     y = y + bias.astype(y.dtype)

@@ -68,7 +68,8 @@ DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int
 
 
 def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
-                    dimension_numbers: DimensionNumbers) -> tuple[jax.Array, DotMeta]:
+                    dimension_numbers: DimensionNumbers, *,
+                    x_amax: jax.Array | None = None) -> tuple[jax.Array, DotMeta]:
   """FP8 `lax.dot_general(x, kernel, dimension_numbers)`.
 
   Args:
@@ -77,6 +78,14 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
     meta: the `DotMeta` of this matmul (from `fp8jax.init_dot_meta`).
     dimension_numbers: as for `jax.lax.dot_general`:
       `((x_contracting, kernel_contracting), (x_batch, kernel_batch))`.
+    x_amax: optional float32[] `max|x|`, exact (NaN if x holds one), computed by the op
+      that wrote x in the same pass (`fp8jax.rms_norm` / `fp8jax.gelu` with
+      `return_amax=True`). Current scaling then takes x's scale from it: x is read
+      once, by its cast, instead of twice (an amax pass, then the cast). On its own
+      `fp8_dot_general` cannot know max|x| of an arbitrary x without reading it, so
+      without `x_amax` current scaling keeps that pass. Delayed scaling (x's amax is
+      recorded by the cast itself), the per-row / per-block recipes and dots with
+      batch dims ignore it.
 
   Returns:
     (out, new_meta): `out` has `lax.dot_general`'s shape and `x`'s dtype
@@ -87,6 +96,7 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
   refuse_split_state(meta, "meta")
   check_dot_meta(meta, "meta")
   check_threaded(meta, "fp8_dot_general")
+  _check_x_amax(x_amax)
   dims = normalize_dimension_numbers(dimension_numbers, x.shape, kernel.shape)
   fine_grained = meta.recipe.per_operand
   layout = matrix_layout(dims, x.shape, kernel.shape, explicit_mesh.explicit_spec(x),
@@ -101,7 +111,20 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
                          "and the Flax FP8 layers)", "jax.lax.dot_general / jnp.einsum"):
     if fine_grained:
       return fine_grained_dot_general(x, kernel, meta, dims)
-    return _fp8_dot(x, kernel, meta, reused, dims, jnp.dtype(kernel.dtype), layout)
+    if x_amax is not None:
+      x_amax = jnp.asarray(x_amax, jnp.float32)
+    return _fp8_dot(x, kernel, meta, reused, x_amax, dims, jnp.dtype(kernel.dtype), layout)
+
+
+def _check_x_amax(x_amax) -> None:
+  if x_amax is None:
+    return
+  dtype = jnp.result_type(x_amax)
+  if jnp.ndim(x_amax) != 0 or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"x_amax must be one float, max|x| over the whole x (float32[]); got shape "
+        f"{jnp.shape(x_amax)} and dtype {dtype}. Pass the amax that fp8jax.rms_norm or "
+        "fp8jax.gelu return with return_amax=True, or None to let current scaling measure x.")
 
 
 def _reused_kernel(kernel, meta, layout):
@@ -123,15 +146,15 @@ def _reused_kernel(kernel, meta, layout):
   return arrays
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fp8_dot(x, kernel, meta, reused, dims, kernel_dtype, layout):
-  out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fp8_dot(x, kernel, meta, reused, x_amax, dims, kernel_dtype, layout):
+  out, new_meta, _ = _fp8_dot_fwd_impl(x, kernel, meta, reused, x_amax, dims, layout)
   return out, new_meta
 
 
-def _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout):
+def _fp8_dot_fwd_impl(x, kernel, meta, reused, x_amax, dims, layout):
   if layout is not None:
-    out, new_meta, residuals = _matrix_fwd(x, kernel, meta, reused, layout)
+    out, new_meta, residuals = _matrix_fwd(x, kernel, meta, reused, layout, x_amax)
   else:
     out, new_meta, residuals = _general_fwd(x, kernel, meta, dims)
   # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.core.quantize.unbatched_like).
@@ -156,8 +179,8 @@ def _general_fwd(x, kernel, meta, dims):
   return out, new_meta, residuals
 
 
-def _fp8_dot_fwd(x, kernel, meta, reused, dims, kernel_dtype, layout):
-  out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, reused, dims, layout)
+def _fp8_dot_fwd(x, kernel, meta, reused, x_amax, dims, kernel_dtype, layout):
+  out, new_meta, residuals = _fp8_dot_fwd_impl(x, kernel, meta, reused, x_amax, dims, layout)
   return (out, new_meta), residuals
 
 
@@ -170,7 +193,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
                                          kernel_dtype)
     return (dx, dk, amaxes_unbatched_like(
         meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent)),
-            reused_cotangent)
+            reused_cotangent, None)
 
   qx, qk, scale_inv_x, scale_inv_k, grad_meta = residuals
   high = grad_meta.recipe.high_precision
@@ -202,7 +225,9 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
 
   meta_in_cotangent = dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, g_amax))
-  return dx, dk, amaxes_unbatched_like(meta_cotangent, meta_in_cotangent), reused_cotangent
+  # x_amax is a statistic of x, not differentiated: no cotangent (None).
+  return (dx, dk, amaxes_unbatched_like(meta_cotangent, meta_in_cotangent), reused_cotangent,
+          None)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -269,7 +294,8 @@ def matrix_layout(dims, x_shape, kernel_shape, x_spec=None,
                       kernel_spec=tuple(kernel_spec or (None,) * len(kernel_shape)))
 
 
-def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, **chain):
+def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_amax=None,
+                     **chain):
   """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `t`'s amax.
 
   Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
@@ -285,10 +311,11 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, **chain
   new running amax, or the tile maxima, whose reduction with `running` is the
   new running amax), the descale `1 / scale`, and the running amax before this
   cast. `cast.products[i] = scale_inv * partner_descales[i]` (capped at the
-  float32 max): each GEMM's one descale.
+  float32 max): each GEMM's one descale. `known_amax`: max|t| from t's producer
+  (current scaling then skips its amax pass).
   """
   if meta.recipe.scales_from_tensor:
-    t_amax = tensor_amax(t)
+    t_amax = tensor_amax(t) if known_amax is None else known_amax
     scale = cast_scale(meta, t_amax, like)
     scale_inv = descale(meta, scale)
     running = amax_max(meta.amax, t_amax)
@@ -301,7 +328,7 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, **chain
   return cast, scale_inv, running
 
 
-def _matrix_fwd(x, kernel, meta, reused, layout):
+def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
   # Delayed scaling's running amaxes enter the step as its parameters or zeros:
   # buffers a cast kernel cannot max into in place (XLA would copy each first, a
@@ -320,7 +347,8 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
   if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
-                                              seeds=int(chain), pass_through=passed)
+                                              known_amax=x_amax, seeds=int(chain),
+                                              pass_through=passed)
     k_amax = amax_max(meta.kernel.amax, kernel_amax)
   elif chain:
     k_cast, scale_inv_k, k_running = _quantize_matrix(
@@ -337,7 +365,7 @@ def _matrix_fwd(x, kernel, meta, reused, layout):
         gathered_for=x2)
     qk, qk_t, k_amax = k_cast.q, k_cast.q_t, k_cast.amax
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
-                                              pass_through=passed)
+                                              known_amax=x_amax, pass_through=passed)
   (fprop_descale,) = x_cast.products
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
