@@ -1,10 +1,18 @@
-"""The README's commands and usage example stay true."""
+"""The README's commands, usage example and demo figures stay true, and so do the docs'
+examples that promise an outcome (tests/test_docs.py runs each; here what it does is checked)."""
+import json
 import pathlib
 import re
 
 import numpy as np
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+RESULTS = README.parent / "examples" / "results"
+# The pages that show the recorded demo: the README and the docs' getting started page.
+GETTING_STARTED = README.parent / "docs" / "getting_started.md"
+GUIDES = README.parent / "docs" / "guides"
+DEMO_PAGES = [README, GETTING_STARTED]
 
 
 def test_readme_starts_with_the_demo_and_test_commands():
@@ -29,22 +37,24 @@ def test_readme_usage_example_runs_and_updates_fp8_state():
       assert float(role.amax_history[0]) > 0
 
 
-def test_readme_overflow_snippet_skips_nothing_on_a_finite_step():
-  text = README.read_text()
+def test_overflow_snippet_skips_nothing_on_a_finite_step():
   namespace = {}
-  exec(compile(re.search(r"```python\n(.*?)```", text, re.S).group(1), "README.md", "exec"),
-       namespace)
+  exec(compile(_python_block_after(GETTING_STARTED, "## A first FP8 train step", "```python"),
+               "getting_started.md", "exec"), namespace)
   before = namespace["params"]
-  exec(compile(_python_block_after("## Usage", "**Overflow.**"), "README.md", "exec"), namespace)
+  exec(compile(_python_block_after(GUIDES / "fp8_state.md", "## Overflow", "report_overflow"),
+               "fp8_state.md", "exec"), namespace)
   assert not bool(namespace["overflow"])
   assert not np.array_equal(np.asarray(namespace["params"]["w1"]), np.asarray(before["w1"]))
 
 
-def _python_block_after(heading: str, marker: str) -> str:
-  text = README.read_text()
+def _python_block_after(page: pathlib.Path, heading: str, marker: str) -> str:
+  """The python example of section `heading` that holds `marker` or is the first after it."""
+  text = page.read_text()
   section = text[text.index(heading):]
-  section = section[section.index(marker):]
-  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  at = section.index(marker)
+  return next(block.group(1) for block in re.finditer(r"```python\n(.*?)```", section, re.S)
+              if block.end() > at)
 
 
 def _namespace_with_a_linen_model():
@@ -66,41 +76,44 @@ def _namespace_with_a_linen_model():
   return dict(jax=jax, jnp=jnp, optax=optax, fp8jax=fp8jax, model=Model(), x=x, y=x * 0.5)
 
 
-def test_readme_flax_train_state_loop_runs_and_updates_fp8_state():
+def test_flax_train_state_loop_runs_and_updates_fp8_state():
   namespace = _namespace_with_a_linen_model()
-  exec(compile(_python_block_after("## Using fp8jax with an existing Flax model",
-                                   "**The training loop.**"), "README.md", "exec"), namespace)
-  state = namespace["state"]
+  exec(compile(_python_block_after(GUIDES / "flax.md", "## The training loop (linen)",
+                                   "from fp8jax.flax import TrainState"), "flax.md", "exec"),
+       namespace)
+  state = namespace["state"]   # after the example's own step
   for _ in range(2):
     state, loss = namespace["train_step"](state, namespace["x"], namespace["y"])
-  assert np.isfinite(float(loss)) and int(state.step) == 2
+  assert np.isfinite(float(loss)) and int(state.step) == 3
   for meta in namespace["jax"].tree.leaves(
       state.fp8_state, is_leaf=lambda n: isinstance(n, namespace["fp8jax"].Fp8Meta)):
-    assert np.all(np.asarray(meta.amax_history)[:2] > 0)
+    assert np.all(np.asarray(meta.amax_history)[:3] > 0)
 
 
-def test_readme_telemetry_snippet_runs_and_gives_finite_scalars():
+def test_telemetry_snippet_runs_and_gives_finite_scalars():
   namespace = _namespace_with_a_linen_model()
   variables = namespace["model"].init(namespace["jax"].random.key(1), namespace["x"])
   namespace.update(params=variables["params"], fp8_state=variables["fp8_meta"])
-  exec(compile(_python_block_after("## Recipes", "**Telemetry.**"), "README.md", "exec"),
+  exec(compile(_python_block_after(GUIDES / "telemetry.md", "## Tensor statistics",
+                                   "from fp8jax import telemetry"), "telemetry.md", "exec"),
        namespace)
   metrics = namespace["metrics"]
   assert any(key.endswith("snr_db") for key in metrics) and len(metrics) > 10
   assert not any(np.isnan(float(v)) for v in metrics.values())  # SNR may be +inf
 
 
-def test_readme_own_recipe_runs_in_the_sweep_beside_the_built_in_ones(tmp_path, monkeypatch):
+def test_own_recipe_runs_in_the_sweep_beside_the_built_in_ones(tmp_path, monkeypatch):
   import json
 
   from fp8jax.cli import main
 
   module = tmp_path / "my_recipes.py"
-  code = _python_block_after("## Write your own recipe", "An EMA of the amax history")
+  code = _python_block_after(GUIDES / "recipes.md", "## Write your own recipe",
+                             "An EMA of the amax history")
   assert code.startswith("# my_recipes.py") and len(code.splitlines()) <= 40
   module.write_text(code)
   monkeypatch.syspath_prepend(str(tmp_path))
-  section = README.read_text().split("## Write your own recipe")[1]
+  section = (GUIDES / "recipes.md").read_text().split("## Write your own recipe")[1]
   command = re.search(r"fp8jax sweep (--recipes [^\n]*)", section).group(1).split()
   assert command[1] == "bf16,delayed,my_recipes:EmaAmaxScaling"
   # The README's recipes at the size of test_sweep.py (the tiny model, 8 steps of 4 x 32
@@ -119,17 +132,66 @@ def test_readme_own_recipe_runs_in_the_sweep_beside_the_built_in_ones(tmp_path, 
   assert abs(run["final_loss"] / runs["delayed"]["final_loss"] - 1) < 0.05
 
 
-def test_readme_rules_snippet_prints_the_report_shown_beside_it():
+def test_rules_snippet_prints_the_report_shown_beside_it():
   import sys
   import jax
   import fp8jax
   sys.path.insert(0, str(README.parent / "tests"))
   from test_flax_any_model import LanguageModel, _ids
-  text = README.read_text()
+  text = (GUIDES / "flax.md").read_text()
   snippet = re.search(r"```python\n(from fp8jax.flax import Fp8Model, Fp8Rule\n.*?)```", text,
                       re.S).group(1)
-  shown = re.search(r"this prints\n.*?```\n(path .*?)```", text, re.S).group(1)
+  shown = re.search(r"This prints .*?```\n(path .*?)```", text, re.S).group(1)
   namespace = {"fp8jax": fp8jax, "model": LanguageModel(layers=1), "rng": jax.random.key(1),
                "ids": _ids(0), "print": lambda report: namespace.update(report=report)}
-  exec(compile(snippet, "README.md", "exec"), namespace)
+  exec(compile(snippet, "flax.md", "exec"), namespace)
   assert str(namespace["report"]).strip() == shown.strip()
+
+
+def _record(name: str) -> dict:
+  return json.loads((RESULTS / name).read_text())
+
+
+def _gap(runs: list[dict], recipe: str) -> float:
+  return next(run["rel_gap_vs_bf16"] for run in runs if run["recipe"] == recipe)
+
+
+def _percent(gap: float) -> str:
+  return f"{100 * gap:+.2f}%"
+
+
+def test_demo_records_name_their_versions_and_the_table_is_seed_0_of_the_three():
+  table, seeds = _record("compare_cpu.json"), _record("compare_cpu_3_seeds.json")
+  assert set(table["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "numpy"}
+  assert all(re.fullmatch(r"\d+\.\d+\S*", v) for v in table["versions"].values())
+  assert seeds["versions"] == table["versions"]
+  # One run behind the table and the first of the three seeds, with the demo's settings.
+  assert table["config"]["seed"] == 0 and seeds["seeds"]["0"] == table["runs"]
+  assert {**seeds["config"], "seed": 0} == table["config"]
+  for recipe in ("delayed", "current"):
+    gaps = [_gap(runs, recipe) for runs in seeds["seeds"].values()]
+    assert seeds[f"{recipe}_rel_gap_vs_bf16_mean"] == pytest.approx(np.mean(gaps), rel=1e-12)
+    assert seeds[f"{recipe}_rel_gap_vs_bf16_max"] == max(gaps)
+
+
+@pytest.mark.parametrize("page", DEMO_PAGES, ids=lambda page: page.name)
+def test_demo_table_is_the_recorded_comparison_as_fp8jax_compare_prints_it(page):
+  from fp8jax import runs
+  shown = re.search(r"```\n\$ fp8jax compare\n(.*?)```", page.read_text(), re.S).group(1)
+  assert shown == runs.table(_record("compare_cpu.json")) + "\n"
+
+
+@pytest.mark.parametrize("page", DEMO_PAGES, ids=lambda page: page.name)
+def test_three_seed_figures_are_the_recorded_comparisons(page):
+  record = _record("compare_cpu_3_seeds.json")
+  text = " ".join(page.read_text().split())   # the sentence wraps across lines
+  seeds = sorted(record["seeds"], key=int)
+  assert f"over seeds {', '.join(seeds[:-1])} and {seeds[-1]} the final loss" in text
+  for recipe in ("delayed", "current"):
+    gaps = [_gap(record["seeds"][seed], recipe) for seed in seeds]
+    quoted = (f"{', '.join(map(_percent, gaps[:-1]))} and {_percent(gaps[-1])} with {recipe} "
+              f"scaling (mean {_percent(np.mean(gaps))})")
+    assert quoted in text
+  assert f"a {record['config']['steps']}-step run" in text
+  walls = record["wall_s"].values()
+  assert f"{min(walls)}-{max(walls)} s per comparison" in text

@@ -1,0 +1,104 @@
+"""`fp8jax compare` over several seeds, recorded in one JSON: how far FP8 lands from bf16.
+
+    python examples/compare_seeds.py --out examples/results/compare_cpu_3_seeds.json
+    python examples/compare_seeds.py --experts 4 --top-k 2 \\
+        --out examples/results/compare_moe_cpu_3_seeds.json
+
+Each seed is the command a user runs, `fp8jax compare --seed S --out RUNS/seed_S` followed
+by the options given here that this script does not take itself (e.g. `--experts 4
+--top-k 2`), in a process of its own, so `wall_s` is what the user waits (compiles
+included). The JSON holds:
+
+    command, machine, wall_s {seed: s}, config (compare.json's settings but the seed),
+    seeds {seed: compare.json's runs}, versions (compare.json's),
+    <recipe>_rel_gap_vs_bf16_mean / _max   over the seeds, each seed's gap against its own
+                                           bf16 run (final_loss / bf16's - 1),
+    <recipe>_final_loss_mean, bf16_final_loss_spread [min, max] over the seeds,
+    <recipe>_within_bf16_seed_spread       |recipe's mean - bf16's mean| <= bf16's max - min
+
+where a final loss is the mean training loss over the last 10% of the steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def summarize(seeds: dict) -> dict:
+  """The comparisons over the seeds of `{seed: compare.json runs}` (see the module)."""
+  finals = {}
+  for runs in seeds.values():
+    for run in runs:
+      finals.setdefault(run["recipe"], []).append(run["final_loss"])
+  bf16 = finals["bf16"]
+  summary = {"bf16_final_loss_spread": [min(bf16), max(bf16)],
+             "bf16_final_loss_mean": float(np.mean(bf16))}
+  for recipe, losses in finals.items():
+    if recipe == "bf16":
+      continue
+    gaps = [next(r["rel_gap_vs_bf16"] for r in runs if r["recipe"] == recipe)
+            for runs in seeds.values()]
+    summary[f"{recipe}_rel_gap_vs_bf16_mean"] = float(np.mean(gaps))
+    summary[f"{recipe}_rel_gap_vs_bf16_max"] = max(gaps)
+    summary[f"{recipe}_final_loss_mean"] = float(np.mean(losses))
+    summary[f"{recipe}_within_bf16_seed_spread"] = bool(
+        abs(np.mean(losses) - np.mean(bf16)) <= max(bf16) - min(bf16))
+  return summary
+
+
+def machine() -> str:
+  """E.g. "2-core x86_64 CPU, Python 3.11, jax 0.10.2" (or the GPU's name)."""
+  import jax
+  device = jax.devices()[0]
+  where = (f"{os.cpu_count()}-core {platform.machine()} CPU" if device.platform == "cpu"
+           else device.device_kind)
+  return (f"{where}, Python {'.'.join(platform.python_version_tuple()[:2])}, "
+          f"jax {jax.__version__}")
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--runs", default="out/compare_seeds",
+                      help="directory of the comparisons (one per seed, seed_S)")
+  parser.add_argument("--out", required=True, help="the JSON to write")
+  args, compare_options = parser.parse_known_args(argv)
+  taken = [option for option in compare_options if option.split("=")[0] in ("--seed", "--out")]
+  if taken:
+    parser.error(f"{taken[0]} is this script's to set (--seeds, --runs); drop it.")
+
+  wall, seeds, report = {}, {}, None
+  for seed in args.seeds:
+    run_dir = pathlib.Path(args.runs) / f"seed_{seed}"
+    command = [sys.executable, "-m", "fp8jax.cli", "compare", "--seed", str(seed), "--out",
+               str(run_dir), *compare_options]
+    began = time.perf_counter()
+    subprocess.run(command, check=True)
+    wall[str(seed)] = round(time.perf_counter() - began)
+    report = json.loads((run_dir / "compare.json").read_text())
+    seeds[str(seed)] = report["runs"]
+    print(f"seed {seed}: {wall[str(seed)]} s", file=sys.stderr)
+
+  shown = " ".join(compare_options + ["--seed", "S"])
+  record = {"command": f"fp8jax compare {shown} (S = {', '.join(map(str, args.seeds))}), "
+                       "defaults otherwise",
+            "machine": machine(), "wall_s": wall,
+            "config": {**{k: v for k, v in report["config"].items() if k != "seed"},
+                       "note": "the settings of each comparison; the seed is each entry of "
+                               "'seeds'"},
+            "seeds": seeds, **summarize(seeds), "versions": report["versions"]}
+  pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+  print(f"wrote {args.out}")
+  return record
+
+
+if __name__ == "__main__":
+  main()
