@@ -15,7 +15,7 @@ underflow, SNR), `fp8jax.optim` (Adam / AdamW with FP8 moments),
 `fp8jax.data` (its embedded corpus) and `fp8jax.runs` (training runs: `fp8jax
 train`, `compare`, `calibrate`).
 
-The code lives in layers, each importing only from those below it (README "Layout"):
+The code lives in layers, each importing only from those below it (docs/development.md, "Layout"):
 `core` (numerics and state), `mesh`, `ops` (the FP8 ops), `step` (closing a step,
 `value_and_grad`), then telemetry, checkpoints, lowering, Flax, the demo and the CLI.
 """
@@ -41,7 +41,7 @@ from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, Unthread
 from fp8jax.step.close import begin_step, close_step, end_step, merge_step
 from fp8jax.step.training import accumulate_gradients, value_and_grad
 from fp8jax.step.all_reduce import all_reduce_amax
-# The tools, and the documented modules at their old paths (README "Layout"), which
+# The tools, and the documented modules at their old paths (docs/development.md, "Layout"), which
 # `import fp8jax` has always made reachable as attributes (fp8jax.sharding.replicated).
 from fp8jax import (attention_backend, attention_partitioning, deviceless,  # noqa: F401
                     fused_kernels, kernel_partitioning, lowering, optim, recipes, sharding,

@@ -185,7 +185,7 @@ def _hlo(recipe, mesh, n):
 
 
 def _shard_map_dense_steps(n, recipe, mesh):
-  """The data-parallel `fp8_dense` layer written per device, as README's shard_map
+  """The data-parallel `fp8_dense` layer written per device, as the scaling-out guide's shard_map
   recipe has it: `fp8jax.value_and_grad` inside `jax.shard_map` over "data", x and
   the kernel differentiated (so fprop, dgrad and wgrad GEMMs all run), the loss a
   global sum whose output gradient is g; and the same step in bf16."""

@@ -10,7 +10,7 @@ under the same sharding:
   on the local shard: 8192 local rows times the layer's per-"model" slice;
 * FP8 sends nothing the bf16 step does not, beyond a few amax scalars;
 * the predicted step speedup (the cost model's kernel time per device) is
-  printed; README "Scaling out" quotes it.
+  printed; docs/guides/scaling_out.md quotes it.
 
 Attention is what an H100 runs (the compile target's choice, `fp8jax.mesh.target`):
 cuDNN there, which a compile without a GPU cannot build, so fp8jax's Hopper flash

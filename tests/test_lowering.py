@@ -162,7 +162,7 @@ def test_default_xla_flags_keep_fp8_operands_but_triton_upcasts_in_registers():
   (no convert to bf16/f16 before the GEMM), but the generated kernel widens
   them to f16 in registers: its PTX uses `mma.sync...f16.f16`, not FP8
   `wgmma`. If this test starts failing because the PTX shows e4m3/e5m2 MMA,
-  XLA has changed: update the README's advice on `xla_gpu_enable_triton_gemm`.
+  XLA has changed: update the advice on `xla_gpu_enable_triton_gemm` (docs/guides/lowering.md).
   """
   report = lowering.inspect(dense_fwd_bwd, spec(64, 128), spec(128, 256), spec(256), meta(),
                             compiler_options={}, target="deviceless")

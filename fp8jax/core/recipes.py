@@ -26,7 +26,7 @@ GEMMs of `fp8jax.core.blocks` (the op is `fp8jax.ops.fine_grained_dot`):
 Every recipe is a `Recipe`: the ops ask it everything through the protocol
 that class documents and test no recipe's type, so a recipe written outside
 fp8jax (a frozen dataclass subclassing `Recipe` or a built-in one) works
-wherever a built-in one does. README "Write your own recipe" has an example.
+wherever a built-in one does. docs/guides/recipes.md, "Write your own recipe", has an example.
 """
 from __future__ import annotations
 

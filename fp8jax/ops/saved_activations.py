@@ -3,7 +3,7 @@
 The inputs of the non-linear ops (RMSNorm, GELU) and attention's output are kept for the
 backward pass. Stored in bf16 (or, inside a float32 norm, as float32 intermediates) they
 are most of a transformer's activation memory: a GPT block without them keeps ~84 bytes
-per token and d_model feature, with them in FP8 ~19 (README "Memory"). As COAT (Xi et al.
+per token and d_model feature, with them in FP8 ~19 (docs/guides/memory.md). As COAT (Xi et al.
 2024) does for its non-linear layers, the copy is E4M3 with one scale per group of
 `GROUP` = 128 consecutive elements along the last (feature) axis; groups never span
 tokens, whose magnitudes differ most.
