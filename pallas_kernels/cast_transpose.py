@@ -59,17 +59,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.cast_transpose_checks import (check_accumulation, check_block_sizes,
+                                                  check_flag, check_fp8, check_pass_through,
+                                                  check_products, check_reduce, check_x,
+                                                  scalar_f32)
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
                                                   tile_count, tile_mask, tile_maxima,
                                                   tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
 
-FP8_MAX = {
-    jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
-    jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),      # 57344
-}
-INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cast:
   """The FP8 target of the cast, and whether the transposed copy is written."""
@@ -368,15 +369,15 @@ def cast_transpose_amax(
     (q [R, C], q_t [C, R] or None, amax_out float32[]), plus the tuple of float32[]
     products when `partner_descales` is given. q and q_t in fp8_dtype.
   """
-  _check_x(x)
-  fp8_dtype = _check_fp8(fp8_dtype, fp8_max)
-  scale = _scalar_f32(scale, "scale")
-  amax_in = _scalar_f32(amax_in, "amax_in")
-  _check_flag(transpose, "transpose")
-  _check_flag(interpret, "interpret")
-  _check_block_sizes(block_sizes)
+  check_x(x)
+  fp8_dtype = check_fp8(fp8_dtype, fp8_max)
+  scale = scalar_f32(scale, "scale")
+  amax_in = scalar_f32(amax_in, "amax_in")
+  check_flag(transpose, "transpose")
+  check_flag(interpret, "interpret")
+  check_block_sizes(block_sizes)
   cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
-  descale, partner_descales = _check_products(descale, partner_descales)
+  descale, partner_descales = check_products(descale, partner_descales)
   q, q_t, amax_out, products, *_ = _call_jit(x, scale, amax_in, descale, partner_descales,
                                              cast=cast, block_sizes=block_sizes,
                                              interpret=interpret)
@@ -400,10 +401,10 @@ def amax(
   Returns:
     float32[] amax_out.
   """
-  _check_x(x)
-  amax_in = _scalar_f32(amax_in, "amax_in")
-  _check_flag(interpret, "interpret")
-  _check_block_sizes(block_sizes)
+  check_x(x)
+  amax_in = scalar_f32(amax_in, "amax_in")
+  check_flag(interpret, "interpret")
+  check_block_sizes(block_sizes)
   return _call_jit(x, None, amax_in, cast=None, block_sizes=block_sizes,
                    interpret=interpret)[2]
 
@@ -474,20 +475,20 @@ def cast_transpose_amax_in_chain(
   Returns:
     A `ChainedCast`.
   """
-  _check_x(x)
-  fp8_dtype = _check_fp8(fp8_dtype, fp8_max)
-  scale = _scalar_f32(scale, "scale")
-  _check_flag(transpose, "transpose")
-  _check_flag(interpret, "interpret")
-  _check_flag(tile_amaxes, "tile_amaxes")
-  _check_block_sizes(block_sizes)
-  accumulate, amax_in, accumulator = _check_accumulation(amax_in, accumulator, tile_amaxes)
-  tiles = _check_reduce(reduce)
+  check_x(x)
+  fp8_dtype = check_fp8(fp8_dtype, fp8_max)
+  scale = scalar_f32(scale, "scale")
+  check_flag(transpose, "transpose")
+  check_flag(interpret, "interpret")
+  check_flag(tile_amaxes, "tile_amaxes")
+  check_block_sizes(block_sizes)
+  accumulate, amax_in, accumulator = check_accumulation(amax_in, accumulator, tile_amaxes)
+  tiles = check_reduce(reduce)
   if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 <= seeds <= 4:
     raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
   cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
-  descale, partner_descales = _check_products(descale, partner_descales)
-  passed = _check_pass_through(pass_through)
+  descale, partner_descales = check_products(descale, partner_descales)
+  passed = check_pass_through(pass_through)
   amax = _Amax(accumulate=accumulate, reduce=tiles is not None, seeds=seeds,
                passed=tuple(int(jnp.size(a)) for a in passed))
   out = _call_jit(x, scale, amax_in, descale, partner_descales, accumulator, tiles,
@@ -505,11 +506,11 @@ def cast_transpose_amax_in_chain_reference(
     pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
 ) -> ChainedCast:
   """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
-  _check_x(x)
-  _check_flag(tile_amaxes, "tile_amaxes")
-  _check_block_sizes(block_sizes)
-  accumulate, amax_in, accumulator = _check_accumulation(amax_in, accumulator, tile_amaxes)
-  tiles = _check_reduce(reduce)
+  check_x(x)
+  check_flag(tile_amaxes, "tile_amaxes")
+  check_block_sizes(block_sizes)
+  accumulate, amax_in, accumulator = check_accumulation(amax_in, accumulator, tile_amaxes)
+  tiles = check_reduce(reduce)
   start = jnp.float32(0) if accumulate == "tiles" else amax_in
   if accumulate == "accumulator":
     start = _bits_max(accumulator, amax_in)
@@ -520,7 +521,7 @@ def cast_transpose_amax_in_chain_reference(
     amax_out = tile_maxima(x, block_sizes)
   reduced = _bits_max(tiles[1], tiles[0]) if tiles is not None else None
   return ChainedCast(q, q_t, amax_out, products[0] if products else None, reduced,
-                     (jnp.float32(0),) * seeds, _check_pass_through(pass_through))
+                     (jnp.float32(0),) * seeds, check_pass_through(pass_through))
 
 
 def _bits_max(*values):
@@ -542,137 +543,18 @@ def cast_transpose_amax_reference(
   rule made explicit (a NaN in x or in amax_in gives NaN). Takes the same arguments
   (without the kernel knobs) and returns the same (q, q_t or None, amax_out).
   """
-  _check_x(x)
-  fp8_dtype = _check_fp8(fp8_dtype, fp8_max)
-  scale = _scalar_f32(scale, "scale")
-  amax_in = _scalar_f32(amax_in, "amax_in")
+  check_x(x)
+  fp8_dtype = check_fp8(fp8_dtype, fp8_max)
+  scale = scalar_f32(scale, "scale")
+  amax_in = scalar_f32(amax_in, "amax_in")
   q = jnp.clip(x.astype(jnp.float32) * scale, -fp8_max, fp8_max).astype(fp8_dtype)
   x_amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   # The NaN rule is spelled out: XLA on CPU (jax 0.10.2) drops NaN from some float32
   # max reductions (any [64, 64] or larger 2-D one returns the largest finite |x|).
   x_amax = jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), x_amax)
   amax_out = jnp.where(jnp.isnan(amax_in), amax_in, jnp.maximum(amax_in, x_amax))
-  descale, partner_descales = _check_products(descale, partner_descales)
+  descale, partner_descales = check_products(descale, partner_descales)
   if partner_descales is None:
     return q, (q.T if transpose else None), amax_out
   products = tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
   return q, (q.T if transpose else None), amax_out, products
-
-
-# ---------------------------------------------------------------------------
-# Input checks.
-# ---------------------------------------------------------------------------
-
-
-def _check_x(x) -> None:
-  shape = jnp.shape(x)
-  if len(shape) != 2:
-    raise ValueError(
-        f"x must be a 2-D [rows, cols] array, got shape {shape}; reshape it first, "
-        "e.g. x.reshape(-1, x.shape[-1]).")
-  if 0 in shape:
-    raise ValueError(f"x has shape {shape}, with no elements; it has no FP8 copy or amax.")
-  dtype = jnp.result_type(x)
-  if dtype not in INPUT_DTYPES:
-    raise TypeError(
-        f"x has dtype {dtype}; pass bfloat16, float16 or float32 "
-        "(e.g. x.astype(jnp.bfloat16)).")
-
-
-def _check_fp8(fp8_dtype, fp8_max) -> jnp.dtype:
-  try:
-    dtype = jnp.dtype(fp8_dtype)
-  except TypeError:
-    dtype = None
-  if dtype not in FP8_MAX:
-    raise TypeError(
-        f"fp8_dtype={fp8_dtype!r} is not supported; pass jnp.float8_e4m3fn or "
-        "jnp.float8_e5m2.")
-  if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) \
-      or float(fp8_max) != FP8_MAX[dtype]:
-    raise ValueError(
-        f"fp8_max={fp8_max!r} does not match fp8_dtype {dtype.name}, whose largest finite "
-        f"value is {FP8_MAX[dtype]}; pass fp8_max={FP8_MAX[dtype]}.")
-  return dtype
-
-
-def _check_products(descale, partner_descales):
-  """(descale f32[], tuple of f32[]) or (None, None); both or neither must be given."""
-  if (descale is None) != (partner_descales is None):
-    raise ValueError("descale and partner_descales go together: pass both (to get the GEMMs' "
-                     "combined descales) or neither.")
-  if descale is None:
-    return None, None
-  if not isinstance(partner_descales, (tuple, list)) or not 1 <= len(partner_descales) <= 4:
-    raise ValueError("partner_descales must be a tuple of 1 to 4 float32 scalars, got "
-                     f"{type(partner_descales).__name__}.")
-  partners = tuple(_scalar_f32(p, f"partner_descales[{i}]")
-                   for i, p in enumerate(partner_descales))
-  return _scalar_f32(descale, "descale"), partners
-
-
-def _check_accumulation(amax_in, accumulator, tile_amaxes):
-  """(how the launch accumulates, amax_in, accumulator), checked."""
-  if tile_amaxes:
-    if amax_in is not None or accumulator is not None:
-      raise ValueError("tile_amaxes=True writes each tile's maximum and reads no running "
-                       "amax: pass amax_in=None and no accumulator, and give the running "
-                       "amax to the launch that reduces the tiles (reduce=(tiles, amax_in)).")
-    return "tiles", None, None
-  amax_in = _scalar_f32(amax_in, "amax_in")
-  if accumulator is None:
-    return "in_place", amax_in, None
-  return "accumulator", amax_in, _scalar_f32(accumulator, "accumulator")
-
-
-def _check_reduce(reduce):
-  """(tiles float32[T], running float32[]) or None."""
-  if reduce is None:
-    return None
-  if not isinstance(reduce, (tuple, list)) or len(reduce) != 2:
-    raise ValueError("reduce must be (tiles, running): an earlier launch's tile maxima and "
-                     f"its running amax; got {type(reduce).__name__}.")
-  tiles, running = reduce
-  if jnp.ndim(tiles) != 1 or jnp.size(tiles) == 0 or jnp.result_type(tiles) != jnp.float32:
-    raise ValueError(f"reduce[0] must be a non-empty float32 vector of tile maxima, got shape "
-                     f"{jnp.shape(tiles)} and dtype {jnp.result_type(tiles)}.")
-  return tiles, _scalar_f32(running, "reduce[1]")
-
-
-def _check_pass_through(pass_through) -> tuple:
-  """The arrays to copy through, as float32 arrays of at most one dimension."""
-  if not isinstance(pass_through, (tuple, list)):
-    raise ValueError(f"pass_through must be a tuple of float32 arrays, got "
-                     f"{type(pass_through).__name__}.")
-  arrays = tuple(jnp.asarray(a) for a in pass_through)
-  for i, a in enumerate(arrays):
-    if a.ndim > 1 or a.size == 0 or a.dtype != jnp.float32:
-      raise ValueError(f"pass_through[{i}] must be a non-empty float32 scalar or vector, got "
-                       f"shape {a.shape} and dtype {a.dtype}.")
-  return arrays
-
-
-def _scalar_f32(value, argname: str) -> jax.Array:
-  """`value` as a float32[] array; Python floats are accepted, other dtypes are not."""
-  if isinstance(value, (int, float)) and not isinstance(value, bool):
-    return jnp.asarray(value, jnp.float32)
-  shape = jnp.shape(value)
-  dtype = jnp.result_type(value)
-  if shape != () or dtype != jnp.float32:
-    raise ValueError(
-        f"{argname} must be a float32 scalar (shape ()), got shape {shape} and dtype "
-        f"{dtype}; pass one value per tensor, e.g. jnp.float32(v) or "
-        f"{argname}.astype(jnp.float32).")
-  return jnp.asarray(value)
-
-
-def _check_flag(value, argname: str) -> None:
-  if not isinstance(value, bool):
-    raise TypeError(f"{argname} must be True or False, got {value!r}.")
-
-
-def _check_block_sizes(block_sizes) -> None:
-  if not isinstance(block_sizes, CastTransposeBlockSizes):
-    raise TypeError(
-        f"block_sizes must be a CastTransposeBlockSizes, got "
-        f"{type(block_sizes).__name__}: {block_sizes!r}.")
