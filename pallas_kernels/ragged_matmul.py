@@ -200,7 +200,7 @@ def _run(a, b_t, group_sizes, a_descale, b_descale, *, p: _Problem, interpret):
   inputs = dict(offsets=sched.offsets, group=sched.group, m_tile=sched.m_tile,
                 num_items=sched.num_items, a=a, b_t=b_t, **scales)
   out = launch(functools.partial(_cta, p=p), inputs, p.scratch(),
-               jax.ShapeDtypeStruct((p.m, p.n), p.out_dtype), p.num_ctas, interpret)
+               jax.ShapeDtypeStruct((p.m, p.n), p.out_dtype), p.num_ctas, interpret, _FN)
   # Inside shard_map the output varies along every axis an input varies along (plgpu
   # kernels leave their outputs' types unchecked and plain: typed here).
   return varying.vary(out[:m_in], varying.varying_axes(inputs))

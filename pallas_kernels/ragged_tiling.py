@@ -240,11 +240,14 @@ def smem_bytes(scratch: dict) -> int:
 
 
 def launch(cta: Callable, inputs: dict[str, jax.Array], scratch: dict, out_type,
-           num_ctas: int, interpret: Any) -> jax.Array:
+           num_ctas: int, interpret: Any, name: str) -> jax.Array:
   """Runs `cta(refs, scratch, target)` on a persistent grid of `num_ctas` CTAs ("sm").
 
   refs holds the GMEM inputs by their names in `inputs`, then `out`; each CTA has two
-  compute warpgroups and one producer ("wg").
+  compute warpgroups and one producer ("wg"). `name` (the kernel's public name) becomes a
+  named scope, so the kernel's custom call in the optimized HLO carries it in its op_name:
+  a compiled program's reader (fp8jax's cost model, a profile) knows it is this grouped
+  GEMM, which XLA cannot tell from an opaque Mosaic GPU call.
   """
   params = interpret_params(interpret)
   target = MosaicTarget(interpret=params is not None)
@@ -255,9 +258,10 @@ def launch(cta: Callable, inputs: dict[str, jax.Array], scratch: dict, out_type,
     pl.run_scoped(lambda **allocated: cta(named, types.SimpleNamespace(**allocated), target),
                   collective_axes="wg", **scratch)
 
-  return plgpu.kernel(entry, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
-                      num_threads=COMPUTE_WGS + 1, thread_name="wg",
-                      interpret=params)(*inputs.values())
+  with jax.named_scope(name):
+    return plgpu.kernel(entry, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
+                        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+                        interpret=params)(*inputs.values())
 
 
 def persistent_ring(s, work, stages: int, *, consume: Callable, produce: Callable) -> None:

@@ -165,7 +165,7 @@ def _run(a_t, b_t, group_sizes, a_descale, b_descale, *, p: _Problem, interpret)
                 num_blocks=sched.num_blocks, a_t=a_t, b_t=b_t, **scales)
   out = launch(functools.partial(_cta, p=p), inputs, p.scratch(),
                 jax.ShapeDtypeStruct((p.groups, p.ka, p.nb), p.out_dtype), p.num_ctas,
-                interpret)
+                interpret, _FN)
   # Inside shard_map the output varies along every axis an input varies along (plgpu
   # kernels leave their outputs' types unchecked and plain: typed here).
   return varying.vary(out, varying.varying_axes(inputs))

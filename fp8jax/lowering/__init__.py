@@ -27,6 +27,12 @@ What XLA does with fp8jax's GEMMs (jax 0.10.2, deviceless sm_90a):
   fp8jax's cast-transpose-amax kernel writes each of them in the pass that
   quantizes the tensor (`Transpose.in_quantize`); XLA on its own added separate
   f8 transposes for dgrad's W and wgrad's g^T.
+* Grouped matmuls (MoE experts): `fp8_ragged_dot`'s three GEMMs are fp8jax's grouped
+  FP8 Mosaic GPU kernels (`GemmKind.GROUPED`, recognized by name and shape in
+  `fp8jax.lowering.grouped_gemms`); XLA's own `lax.ragged_dot` is a dense expansion
+  (every row against every expert: G times the FLOPs); where the kernels do not tile the
+  shapes, the jnp twin is a loop of per-tile cuBLASLt FP8 GEMMs. `Gemm.expert_path` says
+  which, and the cost model charges a grouped kernel one dense GEMM's FLOPs.
 * `xla_allow_excess_precision` (on by default) lets XLA drop a cast to FP8 that
   is followed by a widening cast: `dequantize(quantize(x))` then does no FP8
   rounding at all on GPU.
@@ -50,11 +56,11 @@ from fp8jax.lowering.cost import (CostComparison, CostConstants, CostReport, Ker
                                   cost, cost_hlo)
 from fp8jax.lowering.example import example_train_step
 from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS, inspect, inspect_hlo
-from fp8jax.lowering.report import (Convert, Gemm, GemmKind, LoweringReport, Operand,
-                                    Transpose)
+from fp8jax.lowering.report import (Convert, ExpertPath, Gemm, GemmKind, LoweringReport,
+                                    Operand, Transpose)
 
 __all__ = [
     "inspect", "inspect_hlo", "CUBLAS_ONLY_OPTIONS", "example_train_step",
-    "LoweringReport", "Gemm", "GemmKind", "Operand", "Transpose", "Convert",
+    "LoweringReport", "Gemm", "GemmKind", "ExpertPath", "Operand", "Transpose", "Convert",
     "cost", "cost_hlo", "compare", "CostConstants", "CostReport", "CostComparison", "KernelCost",
 ]

@@ -3,7 +3,10 @@
 Reads the optimized HLO (the same reader as the GEMM report) and lists every
 kernel the GPU would launch, in program order:
 
-* GEMMs: cuBLAS / cuBLASLt custom calls and fusions holding a `dot` (Triton);
+* GEMMs: cuBLAS / cuBLASLt custom calls, fusions holding a `dot` (Triton), and the
+  grouped GEMM kernels of MoE layers (Mosaic GPU custom calls recognized by name and
+  shape, `fp8jax.lowering.grouped_gemms`: fp8jax's FP8 `ragged_matmul` /
+  `transposed_ragged_matmul`, JAX's bf16 `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu`);
 * fusions and the other ops XLA emits as kernels (copies, sorts, scatters, ...);
 * Pallas / Mosaic / Triton kernels (custom calls);
 * collectives: their launch and the bytes each device sends over NVLink.
@@ -27,6 +30,12 @@ only; elementwise work is assumed to hide under its memory traffic. A GEMM's
 rate follows its operand dtype in the HLO, so a Triton GEMM on FP8 operands
 (`--xla-defaults`) gets the FP8 rate even where its PTX widens them to f16
 (see `fp8jax.lowering`; `fp8jax inspect` shows which GEMMs really run in FP8).
+A grouped kernel's FLOPs are one dense GEMM's over all its rows (2 M K N, each row
+with its own expert's weights), charged at the same calibrated rates as cuBLASLt's
+(FP8 or bf16 by its operands): the grouped kernels' own rates are not measured yet
+(`python -m benchmarks.grouped_gemm` measures them on a GPU), so a grouped kernel
+slower than cuBLASLt on the same FLOPs makes the prediction optimistic for both
+precisions alike. Other Pallas / Mosaic kernels (casts, attention) count bytes only.
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ from typing import Callable, Mapping, Sequence
 
 from fp8jax.lowering.compile import compile_text
 from fp8jax.lowering.gemms import dot_inside
+from fp8jax.lowering.grouped_gemms import grouped_gemm
 from fp8jax.lowering.hlo_text import ArrayShape, Computation, HloModule, Instruction, parse_hlo_module
 from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
 from fp8jax.lowering.report import is_fp8
@@ -144,14 +154,18 @@ class KernelCost:
 
   Attributes:
     name: the HLO instruction.
-    category: "gemm" (FP8 or not, see `gemm_dtype`), "fusion", "pallas", "copy",
-      "collective" or the opcode of another op that runs as a kernel.
+    category: "gemm" (FP8 or not, see `gemm_dtype`; grouped or not, see
+      `grouped_kernel`), "fusion", "pallas", "copy", "collective" or the opcode of
+      another op that runs as a kernel.
     gemm_dtype: the operand dtype of a GEMM ('f8e4m3fn', 'bf16', ...); '' otherwise.
     bytes_in, bytes_out: device-memory traffic.
     flops: GEMM FLOPs (0 for other kernels).
     launches: how many times it runs per call of the program (trip counts of loops around it).
     time_s: predicted seconds for all its launches.
     op_name: the JAX op it comes from (HLO metadata), for reading the table.
+    grouped_kernel: for a grouped GEMM (MoE experts), which kernel it is
+      ('ragged_matmul', 'transposed_ragged_matmul', 'ragged_dot_mgpu',
+      'transposed_ragged_dot_mgpu'); '' for every other kernel.
   """
 
   name: str
@@ -163,6 +177,7 @@ class KernelCost:
   launches: int
   time_s: float
   op_name: str
+  grouped_kernel: str = ""
 
   @property
   def is_gemm(self) -> bool:
@@ -234,12 +249,13 @@ class CostReport:
 
   def table(self) -> str:
     """One row per kernel, then the totals."""
-    header = (f"{'#':>4} {'kernel':<40} {'kind':<14} {'x':>4} {'MB in':>9} {'MB out':>9} "
+    header = (f"{'#':>4} {'kernel':<40} {'kind':<16} {'x':>4} {'MB in':>9} {'MB out':>9} "
               f"{'GFLOP':>9} {'us':>9}  op")
     lines = [f"{self.label}: predicted on {self.target}", header, "-" * len(header)]
     for i, k in enumerate(self.kernels):
-      kind = f"gemm {k.gemm_dtype}" if k.is_gemm else k.category
-      lines.append(f"{i:>4} {k.name[:40]:<40} {kind[:14]:<14} {k.launches:>4} "
+      kind = (f"{'grouped' if k.grouped_kernel else 'gemm'} {k.gemm_dtype}" if k.is_gemm
+              else k.category)
+      lines.append(f"{i:>4} {k.name[:40]:<40} {kind[:16]:<16} {k.launches:>4} "
                    f"{k.bytes_in / 1e6:>9.2f} {k.bytes_out / 1e6:>9.2f} {k.flops / 1e9:>9.2f} "
                    f"{k.time_s * 1e6:>9.2f}  {_short_op(k.op_name)}")
     lines.append(f"total: {self.totals()}")
@@ -426,7 +442,11 @@ def _trip_count(instr: Instruction) -> int | None:
 
 def _kernel(module: HloModule, instr: Instruction, launches: int,
             constants: CostConstants) -> KernelCost:
-  category, gemm_dtype, flops = _classify(module, instr)
+  grouped = grouped_gemm(module, instr)
+  if grouped is not None:
+    category, gemm_dtype, flops = "gemm", grouped.dtype, grouped.flops
+  else:
+    category, gemm_dtype, flops = _classify(module, instr)
   bytes_in, bytes_out = _traffic(module, instr, category)
   if category == "collective":
     seconds = constants.kernel_overhead_s + _link_bytes(instr) / constants.link_bytes_per_s
@@ -434,7 +454,8 @@ def _kernel(module: HloModule, instr: Instruction, launches: int,
     seconds = constants.kernel_time(flops, bytes_in + bytes_out, gemm_dtype)
   return KernelCost(name=instr.name, category=category, gemm_dtype=gemm_dtype,
                     bytes_in=int(bytes_in), bytes_out=int(bytes_out), flops=int(flops),
-                    launches=launches, time_s=seconds * launches, op_name=instr.op_name)
+                    launches=launches, time_s=seconds * launches, op_name=instr.op_name,
+                    grouped_kernel=grouped.kernel if grouped is not None else "")
 
 
 def _link_bytes(instr: Instruction) -> float:

@@ -6,7 +6,9 @@ A GEMM is one of:
 * a fusion with `kind=kCustom` whose backend config names a Triton GEMM
   (`__triton_gemm`, `__triton_nested_gemm_fusion`), or another kCustom fusion
   holding a `dot` (cuDNN / custom fusions: kind "other"),
-* a `dot` still present in the entry computation or in an ordinary fusion.
+* a `dot` still present in the entry computation or in an ordinary fusion,
+* a grouped (ragged) GEMM kernel: a Mosaic GPU custom call that
+  `fp8jax.lowering.grouped_gemms` recognizes (MoE experts; kind "grouped").
 
 Each operand is traced backwards from the GEMM through bitcasts, copies,
 get-tuple-element, elementwise ops (following the one full-size operand, not
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fp8jax.lowering.grouped_gemms import grouped_gemm
 from fp8jax.lowering.hlo_text import ArrayShape, HloModule, Instruction
 from fp8jax.lowering.report import Convert, Gemm, GemmKind, Operand, Transpose, is_fp8
 
@@ -100,7 +103,7 @@ def _as_gemm(module, instr, stack, ptx_mma) -> Gemm | None:
   if instr.opcode == "custom-call":
     target = instr.attributes.get("custom_call_target", "")
     if not target.startswith("__cublas$"):
-      return None
+      return _as_grouped_gemm(module, instr, stack, target)
     kind = GemmKind.CUBLASLT_FP8 if target == FP8_GEMM_TARGET else GemmKind.CUBLAS
     dims = instr.backend_config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
     contracting = ([int(d) for d in dims.get("lhs_contracting_dimensions", [])],
@@ -133,6 +136,16 @@ def _as_gemm(module, instr, stack, ptx_mma) -> Gemm | None:
   return None
 
 
+def _as_grouped_gemm(module, instr, stack, target) -> Gemm | None:
+  grouped = grouped_gemm(module, instr)
+  if grouped is None:
+    return None
+  lhs = _trace(module, instr, grouped.lhs_index, stack, [grouped.lhs_contracting])
+  rhs = _trace(module, instr, grouped.rhs_index, stack, [grouped.rhs_contracting])
+  return _finish(instr, GemmKind.GROUPED, f"{target} ({grouped.kernel})", lhs, rhs,
+                 str(instr.shapes[0]), ())
+
+
 def _kernel_name(instruction_name: str) -> str:
   """The PTX entry name XLA gives the kernel of an instruction ('a.1' -> 'a_1')."""
   return instruction_name.replace(".", "_").replace("-", "_")
@@ -154,6 +167,11 @@ def _fp8_verdict(kind, lhs, rhs, mma) -> tuple[bool, str]:
   dtypes = f"{lhs.dtype} x {rhs.dtype}"
   upcast = [str(c) for op in (lhs, rhs) for c in op.converts if c.upcasts_fp8]
   if kind == GemmKind.CUBLASLT_FP8:
+    return True, ""
+  if kind == GemmKind.GROUPED and is_fp8(lhs.dtype) and is_fp8(rhs.dtype) and not upcast:
+    # fp8jax's grouped kernels multiply their FP8 operands with e4m3 wgmma only (their
+    # PTX is checked in a deviceless compile: tests/test_ragged_matmul_ptx.py); a
+    # Mosaic kernel's PTX is not among XLA's dumped kernels.
     return True, ""
   if kind == GemmKind.TRITON:
     if not (is_fp8(lhs.dtype) and is_fp8(rhs.dtype)):

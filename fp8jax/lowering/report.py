@@ -25,6 +25,25 @@ class GemmKind(str, enum.Enum):
   TRITON = "triton"               # a Triton GEMM fusion (kind=kCustom, __triton_*gemm*)
   DOT = "dot"                     # a `dot` XLA left in the HLO (emitted as a loop/reduction)
   OTHER = "other"                 # anything else holding a dot (cuDNN fusion, custom fusion)
+  GROUPED = "grouped"             # a grouped (ragged) GEMM kernel: Mosaic GPU, MoE experts
+
+
+class ExpertPath(str, enum.Enum):
+  """How the GEMM of a grouped matmul (MoE experts: `lax.ragged_dot`,
+  `fp8jax.fp8_ragged_dot`) runs.
+
+  GROUPED_KERNEL: one kernel for all experts, each row against its own expert's weights
+    (fp8jax's grouped FP8 kernels, JAX's bf16 Mosaic GPU ones); the FLOPs of one GEMM.
+  TILE_LOOP: a loop of GEMMs over (expert, row tile) work items, one launch each:
+    `fp8_ragged_dot`'s jnp twin where the kernels do not apply (a K or N off their
+    128 tiles, a GPU that is not a Hopper); XLA makes its tile products cuBLASLt FP8 GEMMs.
+  DENSE_EXPANSION: XLA's own `lax.ragged_dot`: every row against every expert's weights,
+    masked (G times the FLOPs), in one GEMM.
+  """
+
+  GROUPED_KERNEL = "grouped kernel"
+  TILE_LOOP = "per-tile loop"
+  DENSE_EXPANSION = "dense expansion"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +163,28 @@ class Gemm:
 
   @property
   def role(self) -> str:
-    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs (named scopes in fp8jax.ops.dot), else
-    'forward' / 'backward' from JAX's own naming."""
+    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs (named scopes in fp8jax.ops.dot and
+    fp8jax.ops.ragged_dot), else 'forward' / 'backward' from JAX's own naming."""
     for role in ("fprop", "dgrad", "wgrad"):
-      if f"fp8_{role}" in self.op_name:
+      if f"fp8_{role}" in self.op_name or f"fp8_grouped_{role}" in self.op_name:
         return role
     return "backward" if self.is_backward else "forward"
+
+  @property
+  def expert_path(self) -> ExpertPath | None:
+    """For a GEMM of a grouped matmul, how it runs (`ExpertPath`); None for other GEMMs.
+
+    A grouped kernel is known by its kind; XLA's expansion of `lax.ragged_dot` keeps the
+    primitive's name (`ragged_dot_general`) as the last part of its op_name; the jnp
+    twin's tile GEMMs sit in a loop inside `fp8_ragged_dot`'s named scopes.
+    """
+    if self.kind == GemmKind.GROUPED:
+      return ExpertPath.GROUPED_KERNEL
+    if self.op_name.rsplit("/", 1)[-1].startswith("ragged_dot"):
+      return ExpertPath.DENSE_EXPANSION
+    if "fp8_grouped_" in self.op_name and "/while/" in self.op_name:
+      return ExpertPath.TILE_LOOP
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +226,10 @@ class LoweringReport:
   def not_fp8(self) -> tuple[Gemm, ...]:
     return tuple(g for g in self.gemms if not g.runs_in_fp8)
 
+  def expert_gemms(self) -> tuple[Gemm, ...]:
+    """The GEMMs of grouped matmuls (MoE experts), each with its `Gemm.expert_path`."""
+    return tuple(g for g in self.gemms if g.expert_path is not None)
+
   def __str__(self) -> str:
     if self.compiler_options is None:
       options = "compiler options not recorded"
@@ -202,12 +241,22 @@ class LoweringReport:
     counts = ", ".join(f"{len(v)} {k.value}" for k, v in self.gemms_by_kind().items())
     if counts:
       lines[-1] += f" ({counts})"
-    header = f"{'#':>3}  {'kind':<13} {'lhs':<20} {'rhs':<20} {'out':<14} {'fp8':<4} {'role':<8} transposes"
+    experts = self.expert_gemms()
+    if experts:
+      paths: dict[str, int] = {}
+      for gemm in experts:
+        paths[gemm.expert_path.value] = paths.get(gemm.expert_path.value, 0) + 1
+      lines.append(f"{len(experts)} expert GEMMs (grouped matmuls): " + ", ".join(
+          f"{n} {path}" for path, n in paths.items()))
+    expert_column = f" {'expert path':<16}" if experts else ""
+    header = (f"{'#':>3}  {'kind':<13} {'lhs':<20} {'rhs':<20} {'out':<14} {'fp8':<4} "
+              f"{'role':<8}{expert_column} transposes")
     lines += ["", header, "-" * len(header)]
     for i, g in enumerate(self.gemms):
       n_transposes = len(g.transposes)
+      path = f" {(g.expert_path.value if g.expert_path else '-'):<16}" if experts else ""
       lines.append(f"{i:>3}  {g.kind.value:<13} {g.lhs.shape:<20} {g.rhs.shape:<20} "
-                   f"{g.output:<14} {'yes' if g.runs_in_fp8 else 'NO':<4} {g.role:<8} "
+                   f"{g.output:<14} {'yes' if g.runs_in_fp8 else 'NO':<4} {g.role:<8}{path} "
                    f"{n_transposes}")
     for i, g in enumerate(self.gemms):
       lines += ["", f"[{i}] {g.name}: {g.target}  ({g.op_name or 'no op_name'})"]
