@@ -26,6 +26,10 @@ OPTIONS = {
                     "moments, fp8jax.optim)"),
     "--saved-activations": ("saved_activations", str, "what the backward keeps of the norms, "
                             "GELU and attention output: default, or fp8 (E4M3, 1x128 scales)"),
+    "--experts": ("experts", int, "make each block's MLP a dropless mixture of N experts, "
+                  "FP8 expert GEMMs under an FP8 recipe (default 0: the dense MLP)"),
+    "--top-k": ("top_k", int, "with --experts, the experts each token is routed to "
+                "(default 2)"),
 }
 
 
@@ -40,15 +44,17 @@ def add_run_options(parser, default_out: str) -> None:
 def config_from(args, recipe: str | None, base=None):
   """The `RunConfig` the options describe: given options over `base` (a saved run's
   settings) or over the defaults."""
-  from fp8jax.runs import RunConfig
+  from fp8jax.runs import RunConfig, RunError
 
   given = {field: getattr(args, field) for field, _, _ in OPTIONS.values()
            if getattr(args, field, None) is not None}
   if recipe is not None:
     given["recipe"] = recipe
-  if base is None:
-    return RunConfig(**given)
-  return dataclasses.replace(base, **given)
+  config = RunConfig(**given) if base is None else dataclasses.replace(base, **given)
+  if "top_k" in given and not config.experts:
+    raise RunError(f"--top-k {given['top_k']} routes tokens among experts, and this run's "
+                   "MLP is dense; add --experts N (N >= --top-k).")
+  return config
 
 
 def run_guarded(work, resume_hint: str) -> int:

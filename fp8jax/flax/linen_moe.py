@@ -42,6 +42,9 @@ class Fp8MoE(nn.Module):
     fp8: run the expert GEMMs in FP8 (else `jax.lax.ragged_dot` in the input dtype).
     recipe: the FP8 recipe of both grouped matmuls.
     dtype: computation dtype (None: x's); param_dtype: the parameters'.
+    kernel_init: the initializer of the router and of each expert's weights.
+    output_kernel_init: that of each expert's `w_out` (None: `kernel_init`), e.g. the
+      smaller standard deviation GPT-2 gives a residual branch's last projection.
   """
 
   num_experts: int
@@ -53,6 +56,7 @@ class Fp8MoE(nn.Module):
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Callable = default_kernel_init
+  output_kernel_init: Callable | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -66,16 +70,17 @@ class Fp8MoE(nn.Module):
     x_sorted, group_sizes, order = moe_routing.sort_by_expert(tokens, routing.experts,
                                                               self.num_experts)
     dtype = self.dtype or x.dtype
-    w_in = self._experts("w_in", (features, self.hidden)).astype(dtype)
-    w_out = self._experts("w_out", (self.hidden, features)).astype(dtype)
+    w_in = self._experts("w_in", (features, self.hidden), self.kernel_init).astype(dtype)
+    w_out = self._experts("w_out", (self.hidden, features),
+                          self.output_kernel_init or self.kernel_init).astype(dtype)
     h = self._grouped(x_sorted.astype(dtype), w_in, group_sizes, "w_in_meta")
     y_sorted = self._grouped(self.activation(h), w_out, group_sizes, "w_out_meta")
     y = moe_routing.combine(y_sorted, order, routing.weights)
     return y.reshape(x.shape).astype(dtype)
 
-  def _experts(self, name: str, shape: tuple) -> jax.Array:
+  def _experts(self, name: str, shape: tuple, kernel_init: Callable) -> jax.Array:
     """[E, *shape], each expert initialized as its own dense kernel."""
-    init = jax.vmap(lambda key: self.kernel_init(key, shape, self.param_dtype))
+    init = jax.vmap(lambda key: kernel_init(key, shape, self.param_dtype))
     return self.param(name, lambda key: init(jax.random.split(key, self.num_experts)))
 
   def _grouped(self, x, w, group_sizes, meta_name: str):

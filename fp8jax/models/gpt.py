@@ -17,8 +17,9 @@ Architecture (pre-norm, GPT-2 shaped, no biases, no learned positions):
 
 `rms_norm(x) = x / sqrt(mean(x**2) + eps) * scale`, computed in float32 (a
 learned `scale` per feature). The MLP width is d_ff = 4 d and its GELU is the
-tanh approximation. The output projection is tied to the input embedding: the
-embedding table [256, d] is its kernel. Parameters are float32; activations,
+tanh approximation (with `GptConfig.experts` = E, a dropless mixture of E such
+MLPs, each token routed to `top_k` of them: `fp8jax.models.gpt_moe`). The output
+projection is tied to the input embedding: the embedding table [256, d] is its kernel. Parameters are float32; activations,
 the residual stream included, are bfloat16.
 
 FP8 (`recipe` given): the q, k, v and attention-output projections are
@@ -37,7 +38,9 @@ The "fp8_meta" collection follows `fp8jax.flax.linen`'s conventions:
                 "mlp": {"up"|"down": {"dot_meta": DotMeta}}},
      "head": {"dot_meta": DotMeta}}
 
-where every array under "blocks" has a leading axis of n_layers (each layer
+(with `GptConfig.experts`, "mlp" holds "w_in_meta" and "w_out_meta" instead, the
+`RaggedDotMeta`s of the mixture of experts of `fp8jax.models.gpt_moe`), where every
+array under "blocks" has a leading axis of n_layers (each layer
 owns its state; `nn.scan` slices it). Apply with `mutable=["fp8_meta"]` to
 record amaxes (training, with `fp8jax.value_and_grad`); without it the stored
 scales are used and nothing is recorded (evaluation).
@@ -76,6 +79,7 @@ from fp8jax.core.meta import init_attention_meta
 from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
+from fp8jax.models import gpt_moe
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
 from fp8jax.ops.attention_backend import BACKENDS, BackendChoice
 from fp8jax.ops import saved_activations
@@ -125,6 +129,11 @@ class GptConfig:
       (`fp8jax.ops.gelu`) and, on the fused FP8 attention kernels, attention's output.
       With `remat`, the blocks keep exactly these FP8 copies
       (`fp8jax.ops.saved_activations.policy()`).
+    experts: 0 for the dense MLP; E >= 1 makes each block's MLP a dropless mixture of E
+      experts, each d_ff wide (`fp8jax.models.gpt_moe`; FP8 expert GEMMs under a recipe).
+    top_k: with experts, the experts each token is routed to (1 <= top_k <= experts).
+    aux_loss_weight: with experts, the weight of the load-balancing loss (summed over the
+      layers) in the training objective (`gpt_moe.load_balancing_loss`).
   """
 
   d_model: int
@@ -141,6 +150,9 @@ class GptConfig:
   fp8_attention: bool = True
   attention_backend: str | None = None
   saved_activations: str = "default"
+  experts: int = 0
+  top_k: int = 2
+  aux_loss_weight: float = 0.01
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
@@ -158,6 +170,7 @@ class GptConfig:
     if self.attention_backend is not None and self.attention_backend not in BACKENDS:
       raise ValueError(f"GptConfig.attention_backend={self.attention_backend!r} is not one of "
                        f"{BACKENDS} (or None to let fp8jax choose).")
+    gpt_moe.check_fields(self.experts, self.top_k, self.aux_loss_weight)
 
   @property
   def head_dim(self) -> int:
@@ -203,9 +216,10 @@ def config_for(size: str, **overrides: Any) -> GptConfig:
 
 
 def parameter_count(config: GptConfig) -> int:
-  """Number of parameters: embedding (tied, counted once), blocks, final norm."""
+  """Number of parameters: embedding (tied, counted once), blocks, final norm (with
+  experts, all of them: `gpt_moe.mlp_parameters`)."""
   d = config.d_model
-  per_block = 4 * d * d + 2 * d * config.d_ff + 2 * d  # q, k, v, out; up, down; two norms
+  per_block = 4 * d * d + gpt_moe.mlp_parameters(config) + 2 * d  # q, k, v, out; MLP; norms
   return config.vocab_size * d + config.n_layers * per_block + d
 
 
@@ -403,6 +417,10 @@ class Block(nn.Module):
         *(normed if amax else (normed,)))
     x, *h = RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
                     name="mlp_norm")(x, attended)
+    if c.experts:  # the router and the expert GEMMs read h itself (no amax handed over)
+      return x + gpt_moe.moe_mlp(c, self.recipe, dtype=ACTIVATION_DTYPE,
+                                 param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
+                                 name="mlp")(h[0]), None
     return x + Mlp(c, self.recipe, name="mlp")(*h), None
 
 
@@ -452,9 +470,11 @@ class Gpt(nn.Module):
     # With FP8 saved activations, remat keeps exactly those (and recomputes the rest).
     policy = saved_activations.policy() if c.fp8_saved else None
     block = nn.remat(Block, prevent_cse=False, policy=policy) if c.remat else Block
-    # Telemetry (`fp8jax.flax.linen_telemetry`) is sown per layer, stacked like the state.
+    # Telemetry (`fp8jax.flax.linen_telemetry`) and the MoE layers' load-balancing losses
+    # are sown per layer, stacked like the state.
     blocks = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0,
-                                           TELEMETRY_COLLECTION: 0},
+                                           TELEMETRY_COLLECTION: 0,
+                                           gpt_moe.AUX_COLLECTION: 0},
                      split_rngs={"params": True}, length=c.n_layers,
                      unroll=min(c.scan_unroll, c.n_layers))
     x, _ = blocks(c, recipe, name="blocks")(x, None)

@@ -6,8 +6,12 @@ column-parallel (their output features, the heads or d_ff, split over
 (their input features split over "model"), so a block needs one sum over
 "model" after each of its two halves and nothing else. The embedding (tied to
 the output head), the norms, and the FP8 state are replicated; the batch is
-split over "data". With `fsdp_axis` every parameter's d_model axis is also split
-over that axis (FSDP: XLA gathers each weight where it is used).
+split over "data". An MoE MLP's experts (`fp8jax.models.gpt_moe`: a leading expert
+axis after the layer axis) split their d_ff over "model" like the dense MLP's up and
+down projections, and its router is replicated (experts split over devices, with an
+all-to-all dispatch, are `fp8jax.ops.expert_parallel` inside `shard_map`). With
+`fsdp_axis` every parameter's d_model axis is also split over that axis (FSDP: XLA
+gathers each weight where it is used).
 
 `param_specs` works on any tree that holds the params by their names: the params
 themselves, and optimizer states that mirror them, float32 (optax's Adam moments) or
@@ -32,6 +36,11 @@ _LAYOUT = {
     ("up", "kernel"): (P(None, None, "model"), 1),            # [L, d, d_ff]
     ("down", "kernel"): (P(None, "model", None), 2),          # [L, d_ff, d]
     ("embed", "embedding"): (P(None, None), 1),               # [vocab, d]
+    # The MoE MLP (GptConfig.experts): each expert split like the dense MLP, its d_ff over
+    # "model" (every device holds a slice of every expert, so routing moves no token).
+    # Its router ([L, d, E], tiny) stays replicated.
+    ("mlp", "w_in"): (P(None, None, None, "model"), 2),       # [L, E, d, d_ff]
+    ("mlp", "w_out"): (P(None, None, "model", None), 3),      # [L, E, d_ff, d]
 }
 
 

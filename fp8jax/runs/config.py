@@ -109,6 +109,9 @@ class RunConfig:
       (`fp8jax.optim.adamw`: both moments in FP8 with 1x128-block scales, ~2.1 bytes).
     saved_activations: what the backward keeps of the norms, the GELU and attention's
       output: "default" (what autodiff keeps) or "fp8" (`GptConfig.saved_activations`).
+    experts: 0 for the dense GPT, or E >= 1: each block's MLP a dropless mixture of E
+      experts (`fp8jax.models.gpt_moe`), whose expert GEMMs run in FP8 under the recipe.
+    top_k: with experts, the experts each token is routed to (1 <= top_k <= experts).
   """
 
   recipe: str = "delayed"
@@ -129,6 +132,8 @@ class RunConfig:
   max_data_bytes: int = 4 * 2**20
   optimizer: str = "adamw"
   saved_activations: str = "default"
+  experts: int = 0
+  top_k: int = 2
 
   def __post_init__(self):
     self.recipe_object  # builds the recipe: RunError for options it does not take
@@ -158,6 +163,14 @@ class RunConfig:
           name == "lr" and value == 0):
         raise RunError(f"--{name.replace('_', '-')} {value!r} must be a "
                        f"{'positive' if name == 'lr' else 'non-negative'} number.")
+    if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+      raise RunError(f"--experts {self.experts!r} must be a non-negative integer (0: the "
+                     "dense MLP; N: a mixture of N experts in each block).")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1 or (
+        self.experts and self.top_k > self.experts):
+      limit = f"--experts {self.experts}" if self.experts else "the number of experts"
+      raise RunError(f"--top-k {self.top_k!r} must be an integer from 1 to {limit} (the "
+                     "experts each token is routed to).")
 
   @property
   def schedule_length(self) -> int:
@@ -185,6 +198,6 @@ class RunConfig:
 # more steps (past `schedule_steps` at the final learning rate), evaluation and
 # checkpoint intervals, the recipe when continuing a bf16 run in FP8, and what the
 # backward keeps (saved_activations: the parameters are the same).
-MODEL_FIELDS = ("size", "seq")
+MODEL_FIELDS = ("size", "seq", "experts", "top_k")
 DATA_FIELDS = ("batch", "seed", "data", "max_data_bytes")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "warmup_steps", "weight_decay", "schedule_steps")

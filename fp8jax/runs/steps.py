@@ -11,7 +11,7 @@ import optax
 import fp8jax
 from fp8jax import telemetry
 from fp8jax.flax.linen_telemetry import linen_tensor_stats
-from fp8jax.models import gpt
+from fp8jax.models import gpt, gpt_moe
 from fp8jax.runs.config import RunConfig, RunError
 
 
@@ -31,8 +31,9 @@ def compiled_steps(config: RunConfig) -> tuple[Callable, Callable]:
   optimizer agree (a resumed or compared run reuses the compiled programs).
 
   train_step: `(params, opt_state, fp8_state, tokens [B, S + 1]) -> (params, opt_state,
-  fp8_state, loss, grad_norm)`, one FP8 (or bf16) step with `fp8jax.value_and_grad`; it
-  donates its params, optimizer state and FP8 state (pass each only once).
+  fp8_state, loss, stats)`, one FP8 (or bf16) step with `fp8jax.value_and_grad`
+  (`train_step_for`); it donates its params, optimizer state and FP8 state (pass each
+  only once).
   eval_step: `(params, fp8_state, tokens) -> loss`, the FP8 state used, not updated.
   """
   return _build(*_key(config))[3:5]
@@ -56,16 +57,20 @@ def telemetry_step(config: RunConfig) -> Callable:
 
 def _key(config: RunConfig) -> tuple:
   # Everything the model, the optimizer and the two steps close over.
-  return (config.recipe_object, config.size, config.seq, config.lr, config.warmup_steps,
-          config.weight_decay, config.schedule_length, config.optimizer,
-          config.saved_activations)
+  return (config.recipe_object, model_config(config), config.lr, config.warmup_steps,
+          config.weight_decay, config.schedule_length, config.optimizer)
+
+
+def model_config(config: RunConfig) -> gpt.GptConfig:
+  """The `GptConfig` of a run: its size, sequence length, saved activations and experts."""
+  return gpt.config_for(config.size, seq_len=config.seq,
+                        saved_activations=config.saved_activations, experts=config.experts,
+                        top_k=config.top_k)
 
 
 @functools.lru_cache(maxsize=8)
-def _build(recipe, size, seq, lr, warmup_steps, weight_decay, schedule_length, optimizer,
-           saved_activations):
-  model = gpt.Gpt(gpt.config_for(size, seq_len=seq, saved_activations=saved_activations),
-                  recipe=recipe)
+def _build(recipe, model_settings, lr, warmup_steps, weight_decay, schedule_length, optimizer):
+  model = gpt.Gpt(model_settings, recipe=recipe)
   warmup = max(warmup_steps, 1)
   schedule = optax.warmup_cosine_decay_schedule(
       lr / warmup, lr, warmup, max(schedule_length, warmup + 1), end_value=lr / 10)
@@ -99,16 +104,29 @@ def _init(model):
 
 
 def _loss(model, fp8: bool):
+  """`(params, fp8_state, tokens) -> ((objective, (lm_loss, aux_loss)), fp8_state)`.
+
+  lm_loss is the next-byte cross-entropy, the loss the demo reports. An MoE model
+  (`GptConfig.experts`) also returns aux_loss, its layers' load-balancing losses summed
+  (`gpt_moe.load_balancing_loss`), and differentiates objective = lm_loss +
+  aux_loss_weight * aux_loss; a dense model's objective is lm_loss (aux_loss None).
+  """
+  moe = bool(model.config.experts)
+  mutable = (["fp8_meta"] if fp8 else []) + ([gpt_moe.AUX_COLLECTION] if moe else [])
+
   def loss_fn(params, fp8_state, tokens):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    if fp8:
-      logits, updates = model.apply({"params": params, "fp8_meta": fp8_state}, inputs,
-                                    mutable=["fp8_meta"])
-      fp8_state = updates["fp8_meta"]
+    variables = {"params": params, "fp8_meta": fp8_state} if fp8 else {"params": params}
+    if mutable:
+      logits, updates = model.apply(variables, inputs, mutable=mutable)
     else:
-      logits = model.apply({"params": params}, inputs)
+      logits, updates = model.apply(variables, inputs), {}
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    return loss, fp8_state
+    fp8_state = updates["fp8_meta"] if fp8 else fp8_state
+    if not moe:
+      return (loss, (loss, None)), fp8_state
+    aux = gpt_moe.load_balancing_loss(updates)
+    return (loss + model.config.aux_loss_weight * aux, (loss, aux)), fp8_state
 
   return loss_fn
 
@@ -117,7 +135,11 @@ def train_step_for(model, tx: optax.GradientTransformation, fp8: bool) -> Callab
   """The demo's jitted train step for `model` (an `fp8jax.models.gpt.Gpt`) and optimizer `tx`.
 
   `(params, opt_state, fp8_state, tokens [B, S + 1]) -> (params, opt_state, fp8_state,
-  loss, grad_norm)`; `fp8` says whether the model keeps FP8 state.
+  loss, stats)`; `fp8` says whether the model keeps FP8 state. `loss` is the
+  cross-entropy (float32[]); `stats` a dict of float32[]: "grad_norm", the global norm
+  of the gradient before clipping, and for an MoE model "aux_loss", the load-balancing
+  loss (summed over the layers) whose `aux_loss_weight` multiple the step added to the
+  loss it differentiated.
 
   The step donates params, optimizer state and FP8 state: XLA writes the new ones into
   their buffers, so they exist once on the device, not twice at the step's end (at the
@@ -128,10 +150,13 @@ def train_step_for(model, tx: optax.GradientTransformation, fp8: bool) -> Callab
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def train_step(params, opt_state, fp8_state, tokens):
-    loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state, tokens)
+    (_, (loss, aux)), grads, fp8_state = fp8jax.value_and_grad(loss_fn, has_aux=True)(
+        params, fp8_state, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state, fp8_state, loss,
-            _global_norm(grads))
+    stats = {"grad_norm": _global_norm(grads)}
+    if aux is not None:
+      stats["aux_loss"] = aux
+    return optax.apply_updates(params, updates), opt_state, fp8_state, loss, stats
 
   return train_step
 
@@ -153,7 +178,7 @@ def _calibration_step(model):
 
   @functools.partial(jax.jit, donate_argnums=(1,))
   def calibrate(params, fp8_state, tokens):
-    return fp8jax.value_and_grad(loss_fn)(params, fp8_state, tokens)[2]
+    return fp8jax.value_and_grad(loss_fn, has_aux=True)(params, fp8_state, tokens)[2]
 
   return calibrate
 

@@ -33,7 +33,8 @@ from fp8jax.data import corpus as corpus_lib
 from fp8jax.models import gpt
 from fp8jax.runs import checkpoints, metrics
 from fp8jax.runs.config import RunConfig, RunError
-from fp8jax.runs.steps import build, compiled_steps, init_state, state_stats, telemetry_step
+from fp8jax.runs.steps import (build, compiled_steps, init_state, model_config, state_stats,
+                               telemetry_step)
 
 
 class RunInterrupted(Exception):
@@ -222,8 +223,8 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
         if logging:  # the operands as this step quantizes them: before it runs
           tensor_stats = log_step(params, fp8_state, batch)
         began = time.perf_counter()
-        params, opt_state, fp8_state, loss, grad_norm = train_step(params, opt_state,
-                                                                   fp8_state, batch)
+        params, opt_state, fp8_state, loss, stats = train_step(params, opt_state, fp8_state,
+                                                               batch)
         loss = float(loss)
         elapsed = time.perf_counter() - began
         if step > start + 1:
@@ -231,8 +232,8 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
         losses.append(loss)
         # optax counts updates from 0: step s used the schedule's value at s - 1.
         line = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
-                "grad_norm": float(grad_norm), "step_time_s": elapsed,
-                "tokens_per_s": tokens_per_step / elapsed}
+                **{name: float(value) for name, value in stats.items()},
+                "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed}
         if fp8:
           line["fp8"] = metrics.fp8_records(fp8_state)
         log.write(metrics.dumps(line) + "\n")
@@ -288,10 +289,10 @@ def _progress(enabled: bool | str, config: RunConfig, start: int):
 
 
 def _write_summary(result: RunResult, corpus) -> None:
-  model_config = gpt.config_for(result.config.size, seq_len=result.config.seq)
+  settings = model_config(result.config)
   summary = {"config": result.config.to_dict(), "corpus": corpus.description,
-             "model": {**dataclasses.asdict(model_config),
-                       "parameters": gpt.parameter_count(model_config)},
+             "model": {**dataclasses.asdict(settings),
+                       "parameters": gpt.parameter_count(settings)},
              "attention_backend": result.attention_backend,
              "peak_memory_bytes": result.peak_memory_bytes,
              "final_loss": result.final_loss(), "val_losses": result.val_losses,
