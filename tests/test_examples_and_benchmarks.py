@@ -39,12 +39,22 @@ def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert code == 0, summary["failed"]
   assert {name: s["status"] for name, s in summary["sections"].items()} == {
-      name: "ok" for name in ("tests", "dense", "attention", "gpt", "demo")}
-  for name in ("gpu_tests", "dense", "attention", "gpt", "demo_compare", "attention_speeds"):
+      name: "ok" for name in ("tests", "dense", "grouped_gemm", "attention", "gpt", "demo")}
+  for name in ("gpu_tests", "dense", "grouped_gemm", "attention", "gpt", "demo_compare",
+               "attention_speeds"):
     assert (tmp_path / f"{name}.json").exists(), name
-  # On a CPU every GPU test is collected and skipped (none may fail or error).
+  # On a CPU every GPU test is collected and skipped (none may fail or error), the grouped
+  # FP8 GEMMs' among them; skipped is not validated.
   tests = json.loads((tmp_path / "gpu_tests.json").read_text())
   assert tests["skipped"] > 0 and tests["failed"] == 0 and tests["passed"] == 0
+  grouped_tests = summary["highlights"]["grouped_gemm_gpu_tests"]
+  assert set(grouped_tests["outcomes"].values()) == {"skipped"}, grouped_tests
+  assert not grouped_tests["all_passed"]
+  # The grouped GEMM rows: the FP8 kernels' jnp twins and XLA's ragged_dot on a CPU, each
+  # with its speedup over the best bf16 row that ran and its verdict against the targets.
+  (row,) = summary["highlights"]["grouped_gemm"].values()
+  assert row["best_bf16"] == "xla_bf16" and row["fp8_tensor"] > 0 and row["fp8_block"] > 0
+  assert isinstance(row["fp8_tensor_meets_target"], bool), row
   # Each attention row has numbers and numerics, or says why it cannot run here.
   for result in json.loads((tmp_path / "attention.json").read_text())["results"]:
     rows = result["implementations"]
@@ -59,3 +69,26 @@ def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
              if name.startswith("pallas_hopper"))
   gpt = json.loads((tmp_path / "gpt.json").read_text())["results"]
   assert all(row["tokens_per_s"] > 0 for row in gpt["rows"])
+
+
+def test_gpu_check_times_the_fp8_grouped_kernels_only_after_their_gpu_tests_passed():
+  """Never run on a GPU before: a wrong or hanging kernel must not take the check down."""
+  from benchmarks import gpu_check, grouped_gemm
+  tests = {"tests": [
+      {"test": "tests.test_ragged_matmul::test_compiled_kernels_match_float64_on_hopper[tensor]",
+       "outcome": "passed"},
+      {"test": "tests.test_ragged_matmul::test_compiled_kernels_match_float64_on_hopper[block]",
+       "outcome": "failed"},
+      {"test": "tests.test_dense::test_other", "outcome": "passed"}]}
+  verdict = gpu_check._grouped_gemm_tests(tests)
+  assert verdict["outcomes"] == {"test_compiled_kernels_match_float64_on_hopper[tensor]":
+                                 "passed",
+                                 "test_compiled_kernels_match_float64_on_hopper[block]":
+                                 "failed"}
+  assert not verdict["all_passed"]
+  assert gpu_check._grouped_gemm_tests({"tests": tests["tests"][:1]})["all_passed"]
+  (row,) = grouped_gemm.run([(4, 256, 128)], 64, 1, True, skip_fp8_kernels="tests failed")
+  assert row["fp8_tensor"] == row["fp8_block"] == {"skipped": "tests failed"}
+  assert row["xla_bf16"]["median_s"] > 0 and "fp8_tensor_speedup_vs_bf16" not in row
+  highlight = gpu_check._grouped_gemm_row(row)
+  assert highlight["fp8_tensor"] == "tests failed" and "fp8_tensor_speedup" not in highlight
