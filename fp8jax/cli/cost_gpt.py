@@ -28,6 +28,11 @@ def add_gpt_options(parser, recipes) -> None:
   group.add_argument("--saved-activations", choices=("default", "fp8"), default=None,
                      help="with --gpt: what the FP8 step's backward keeps of norms, GELU and "
                           "attention output (default fp8)")
+  group.add_argument("--experts", type=int, metavar="E", default=None,
+                     help="with --gpt: each block's MLP a mixture of E experts (both steps; "
+                          "the FP8 one runs its expert GEMMs on the grouped FP8 kernels)")
+  group.add_argument("--top-k", type=int, metavar="K", default=None,
+                     help="with --gpt --experts: experts per token (default 2)")
   group.add_argument("--fit", metavar="MEMORY", default=None,
                      help="with --gpt: find by compiles the largest batch of each step that "
                           "fits this much device memory, e.g. 80GiB")
@@ -37,6 +42,7 @@ def gpt_flags_without_gpt(args) -> list[str]:
   """The GPT-only options given without --gpt (each is an error)."""
   return [flag for flag, value in (("--optimizer", args.optimizer),
                                    ("--saved-activations", args.saved_activations),
+                                   ("--experts", args.experts), ("--top-k", args.top_k),
                                    ("--fit", args.fit)) if value is not None]
 
 
@@ -57,24 +63,26 @@ def predict(args, constants) -> int:
   try:
     size = gpt.SIZES.get(args.gpt)
     seq = args.seq or (size.seq_len if size is not None else 1)
+    moe = dict(experts=args.experts or 0, top_k=2 if args.top_k is None else args.top_k)
     fp8 = gpt_program.GptProgram(size=args.gpt, batch=args.batch or 8, seq=seq,
                                  recipe=args.recipe or "delayed",
                                  optimizer=args.optimizer or "adamw_fp8",
-                                 saved_activations=args.saved_activations or "fp8")
+                                 saved_activations=args.saved_activations or "fp8", **moe)
     bf16 = gpt_program.GptProgram(size=args.gpt, batch=fp8.batch, seq=seq, recipe="bf16",
-                                  optimizer="adamw", saved_activations="default")
+                                  optimizer="adamw", saved_activations="default", **moe)
   except RunError as e:
     raise CommandError(str(e)) from None
   target = args.target
   measured = [gpt_program.measure(p, target=target, constants=constants) for p in (fp8, bf16)]
   (fp8_time, fp8_memory, fp8_attention), (bf16_time, bf16_memory, bf16_attention) = measured
   blocks = [] if args.summary else [fp8_time.table(), bf16_time.table()]
-  blocks.append(f"the demo GPT {args.gpt}, batch {fp8.batch} x seq {seq}, train step "
+  experts = f", {fp8.experts} experts (top {fp8.top_k})" if fp8.experts else ""
+  blocks.append(f"the demo GPT {args.gpt}{experts}, batch {fp8.batch} x seq {seq}, train step "
                 f"(params, optimizer and FP8 state donated), on {fp8_time.target}")
   blocks.append(str(compare(fp8_time, bf16_time)))
   blocks.append(memory_table(fp8_memory, bf16_memory))
   blocks.append(attention_lines({fp8.label: fp8_attention, bf16.label: bf16_attention}))
-  report = {"program": {"gpt": args.gpt, "batch": fp8.batch, "seq": seq},
+  report = {"program": {"gpt": args.gpt, "batch": fp8.batch, "seq": seq, **moe},
             "target": fp8_time.target,
             "time": {"predicted_speedup": compare(fp8_time, bf16_time).speedup,
                      "fp8": fp8_time.summary(), "bf16": bf16_time.summary()},

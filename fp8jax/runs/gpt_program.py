@@ -42,6 +42,8 @@ class GptProgram:
     recipe: "bf16" or a recipe name of `fp8jax.runs.config.RECIPES`.
     optimizer: "adamw" or "adamw_fp8".
     saved_activations: "default" or "fp8" (`GptConfig.saved_activations`).
+    experts, top_k: the MLP of each block as a mixture of `experts` experts, each token
+      routed to `top_k` (`GptConfig.experts`; 0 keeps the dense MLP).
   """
 
   size: str
@@ -50,6 +52,8 @@ class GptProgram:
   recipe: str = "delayed"
   optimizer: str = "adamw"
   saved_activations: str = "default"
+  experts: int = 0
+  top_k: int = 2
 
   def __post_init__(self):
     if self.size not in gpt.SIZES:
@@ -64,6 +68,10 @@ class GptProgram:
     if self.saved_activations not in gpt.SAVED_ACTIVATIONS:
       raise RunError(f"--saved-activations {self.saved_activations!r} is not one of "
                      f"{list(gpt.SAVED_ACTIVATIONS)}.")
+    try:
+      self.config()
+    except ValueError as e:   # the MoE fields, named as GptConfig's
+      raise RunError(str(e)) from None
 
   @property
   def label(self) -> str:
@@ -75,7 +83,8 @@ class GptProgram:
 
   def config(self) -> gpt.GptConfig:
     return gpt.config_for(self.size, seq_len=self.seq,
-                          saved_activations=self.saved_activations)
+                          saved_activations=self.saved_activations, experts=self.experts,
+                          top_k=self.top_k)
 
 
 def train_step(program: GptProgram):
