@@ -18,6 +18,10 @@
   writes its tile maxima (`tile_count` of them), a later one reduces them and writes
   zeroed accumulators that later launches fold their amaxes into;
   `cast_transpose_amax_in_chain_reference` its plain-jnp definition.
+* `cast_transpose_from_amax`: current scaling's cast in one launch: given the tensor's
+  amax, the kernel makes the scale, its reciprocal, the GEMMs' descales and the running
+  amax itself (no scalar launch around it); `cast_transpose_from_amax_reference` its
+  plain-jnp definition, `CastFromAmax` what it returns.
 * `running_amax`: the amax-only pass of the same kernel, max(amax_in, max|x|) (the
   module's `cast_transpose.amax`, renamed here so it does not read like
   `fp8jax.quantize.amax`, which takes no running amax).
@@ -42,10 +46,11 @@
   `jax.shard_map` on this JAX (they declare how their outputs vary over its
   mesh axes; `pallas_kernels.varying`).
 """
-from pallas_kernels.cast_transpose import (ChainedCast, cast_transpose_amax,
-                                           cast_transpose_amax_in_chain,
-                                           cast_transpose_amax_in_chain_reference,
-                                           cast_transpose_amax_reference)
+from pallas_kernels.cast_transpose import cast_transpose_amax, cast_transpose_amax_reference
+from pallas_kernels.cast_transpose_chain import (ChainedCast, cast_transpose_amax_in_chain,
+                                                 cast_transpose_amax_in_chain_reference)
+from pallas_kernels.cast_transpose_current import (CastFromAmax, cast_transpose_from_amax,
+                                                   cast_transpose_from_amax_reference)
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes, tile_count
 from pallas_kernels.cast_transpose import amax as running_amax
 from pallas_kernels.scale_update import amax_max, close_steps, close_steps_reference
@@ -72,9 +77,10 @@ from pallas_kernels.transposed_ragged_matmul import (transposed_ragged_matmul,
 __all__ = [
     "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU", "BlockScaledMatmulBlockSizes", "block_scaled_matmul",
     "block_scaled_matmul_reference",
-    "CastTransposeBlockSizes", "ChainedCast", "SUPPORTED_HEAD_DIMS", "amax_max",
+    "CastFromAmax", "CastTransposeBlockSizes", "ChainedCast", "SUPPORTED_HEAD_DIMS", "amax_max",
     "can_declare_varying_outputs", "cast_transpose_amax", "cast_transpose_amax_in_chain",
-    "cast_transpose_amax_in_chain_reference", "tile_count",
+    "cast_transpose_amax_in_chain_reference", "cast_transpose_from_amax",
+    "cast_transpose_from_amax_reference", "tile_count",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
     "HopperAttentionBlockSizes", "hopper_attention", "hopper_bf16_attention_backward",

@@ -20,10 +20,16 @@ and the transposed tile of Q^T, and folds the tile's max|x| into the single floa
 amax with an atomic max. The amax buffer is `amax_in` itself (an input/output alias),
 so no kernel runs before this one to initialise it, unless XLA must keep amax_in
 (a jit parameter, a constant): then it copies it first, a launch for 4 bytes.
-`cast_transpose_amax_in_chain` avoids that in a chain of launches (an FP8 layer's
-casts): the first writes its tiles' maxima, one slot per program, which needs no
-initialised buffer; one program of a later launch reduces them and writes zeroed
-buffers that the launches after it max into.
+`cast_transpose_amax_in_chain` (`pallas_kernels.cast_transpose_chain`) avoids that in
+a chain of launches (an FP8 layer's casts): the first writes its tiles' maxima, one slot
+per program, which needs no initialised buffer; one program of a later launch reduces
+them and writes zeroed buffers that the launches after it max into.
+`cast_transpose_from_amax` (`pallas_kernels.cast_transpose_current`) is current
+scaling's launch: given max|x|, every program makes the scale `fp8_max / 2**margin /
+amax` itself (an IEEE `div.rn.f32`: Triton's float32 `/` is approximate) and one
+program writes its reciprocal, the GEMMs' descales and the running amax, so no launch
+of a few bytes computes them; x is not reduced again. This module holds the kernel
+they all launch (`launch`), the plain cast and amax pass, and their definition.
 
 The amax is exact and propagates NaN on every backend because it is reduced on bit
 patterns: for a float32 with the sign bit cleared (|x|), the IEEE bit pattern read as
@@ -51,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,25 +64,37 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.cast_transpose_checks import (check_accumulation, check_block_sizes,
-                                                  check_flag, check_fp8, check_pass_through,
-                                                  check_products, check_reduce, check_x,
-                                                  scalar_f32)
+from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
+                                                  check_products, check_x, scalar_f32)
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
-                                                  tile_count, tile_mask, tile_maxima,
-                                                  tiling_for)
+                                                  tile_count, tile_mask, tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
+EXPONENT_BITS = 0x7F800000
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cast:
-  """The FP8 target of the cast, and whether the transposed copy is written."""
+class ScaleFromAmax:
+  """Current scaling: the scale is made in the kernel from a given amax (static).
+
+  scale = numerator / amax where both that and amax are finite and > 0, else the
+  fallback scale; rounded down to a power of two if `power_of_two`.
+  """
+
+  numerator: float
+  power_of_two: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CastSpec:
+  """The FP8 target of the cast, whether the transposed copy is written, and whether
+  the scale is made from a given amax (`from_amax`) instead of read."""
 
   dtype: jnp.dtype
   max: float
   transpose: bool
+  from_amax: ScaleFromAmax | None = None
 
 
 def _saturate(y, fp8_max: float):
@@ -92,13 +109,15 @@ def _saturate(y, fp8_max: float):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Amax:
+class AmaxSpec:
   """How one launch makes its amax (static).
 
   accumulate: "in_place": the programs max into amax_in's own buffer (aliased);
     "accumulator": into a zeroed buffer an earlier launch wrote (aliased), one
     program folding amax_in in; "tiles": each program writes its tile's max to
-    its own slot, so no buffer has to be initialised before the launch.
+    its own slot, so no buffer has to be initialised before the launch;
+    "given": the amax of x is given (current scaling) with the amax to record, one
+    program writes max(amax_in, recorded) and no program reduces its tile.
   reduce: also reduce an earlier launch's tile maxima with their running amax.
   seeds: how many zeroed float32 buffers to write for later launches' accumulators.
   passed: the lengths of the small float32 vectors copied through (see
@@ -115,21 +134,26 @@ class _Amax:
 _REDUCE_CHUNK = 1024
 
 
-def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Amax):
+def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: AmaxSpec,
+            interpret: bool):
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
-  Refs: x, [scale], [descale, partner x `partners`], [amax_in], [accumulator],
-  [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t], [product x
-  `partners`], amax_out, [reduced], [seed x `seeds`], [passed out x `passed`].
-  amax_out is amax_in's buffer ("in_place"), the accumulator's ("accumulator") or
-  one slot per program ("tiles").
+  Refs: x, [scale], [given, recorded], [descale], [partner x `partners`], [amax_in],
+  [accumulator], [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t],
+  [descale_out], [product x `partners`], amax_out, [reduced], [seed x `seeds`],
+  [passed out x `passed`]. amax_out is amax_in's buffer ("in_place"), the
+  accumulator's ("accumulator"), one slot per program ("tiles") or its own
+  ("given"). With `cast.from_amax` the scale ref holds the fallback scale, the
+  kernel makes the descale (descale_out) instead of reading it.
   """
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if cast is not None else None
-  if partners:
-    descale_ref = refs.pop(0)
-    partner_refs = [refs.pop(0) for _ in range(partners)]
+  given_ref, recorded_ref = ((refs.pop(0), refs.pop(0)) if amax.accumulate == "given"
+                              else (None, None))
+  from_amax = cast.from_amax if cast is not None else None
+  descale_ref = refs.pop(0) if partners and from_amax is None else None
+  partner_refs = [refs.pop(0) for _ in range(partners)]
   amax_in_ref = refs.pop(0) if amax.accumulate != "tiles" else None
   if amax.accumulate == "accumulator":
     refs.pop(0)  # the accumulator: the same buffer as amax_out
@@ -138,19 +162,36 @@ def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Ama
   passed_in_refs = [refs.pop(0) for _ in amax.passed]
   q_ref = refs.pop(0) if cast is not None else None
   q_t_ref = refs.pop(0) if cast is not None and cast.transpose else None
+  descale_out_ref = refs.pop(0) if from_amax is not None else None
   product_refs = [refs.pop(0) for _ in range(partners)]
   amax_ref = refs.pop(0)
   reduced_ref = refs.pop(0) if amax.reduce else None
   seed_refs = [refs.pop(0) for _ in range(amax.seeds)]
   passed_out_refs = refs
   first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
-  if partners:
+  if from_amax is not None:
+    # Every program makes the same scale from the given amax (a few scalar
+    # operations, where a kernel of their own would cost a launch). On [1] blocks:
+    # the inline division takes tensors, not scalars.
+    scale = _scale_from_amax(given_ref[...], scale_ref[...], from_amax, interpret)
+  elif cast is not None:
+    scale = scale_ref[0]
+  if partners or from_amax is not None:
     @pl.when(first)
     def _():
+      if from_amax is not None:
+        descale = _divide(jnp.float32(1), scale, interpret).reshape(())
+        descale_out_ref[...] = descale
+      else:
+        descale = descale_ref[...]
       # The GEMMs' combined descales, capped at the largest float32 so that an
       # all-zero row times an overflowing product stays 0 instead of NaN.
       for partner_ref, product_ref in zip(partner_refs, product_refs):
-        product_ref[...] = jnp.minimum(descale_ref[...] * partner_ref[...], _F32_MAX)
+        product_ref[...] = jnp.minimum(descale * partner_ref[...], _F32_MAX)
+  if amax.accumulate == "given":
+    @pl.when(first)
+    def _():
+      amax_ref[0] = _bits_max_pair(amax_in_ref[0], recorded_ref[0])
   if amax.reduce or amax.seeds or amax.passed or amax.accumulate == "accumulator":
     @pl.when(first)
     def _():
@@ -174,19 +215,59 @@ def _kernel(*refs, tiling: Tiling, cast: _Cast | None, partners: int, amax: _Ama
     x = plgpu.load(x_ref, mask=mask, other=0)
   x = x.astype(jnp.float32)  # exact for bf16 / f16 inputs
 
-  magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
-  tile_amax = lax.bitcast_convert_type(jnp.max(magnitude_bits), jnp.float32)
-  if amax.accumulate == "tiles":
-    amax_ref[0] = tile_amax
-  else:
-    plgpu.atomic_max(amax_ref, jnp.int32(0), tile_amax)
+  if amax.accumulate != "given":
+    magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
+    tile_amax = lax.bitcast_convert_type(jnp.max(magnitude_bits), jnp.float32)
+    if amax.accumulate == "tiles":
+      amax_ref[0] = tile_amax
+    else:
+      plgpu.atomic_max(amax_ref, jnp.int32(0), tile_amax)
 
   if cast is None:
     return
-  q = _saturate(x * scale_ref[0], cast.max).astype(cast.dtype)
+  q = _saturate(x * scale.reshape(1, 1) if from_amax is not None else x * scale,
+                cast.max).astype(cast.dtype)
   _store(q_ref, q, mask)
   if cast.transpose:
     _store(q_t_ref, q.T, None if mask is None else mask.T)
+
+
+def _scale_from_amax(given, fallback, from_amax: ScaleFromAmax, interpret: bool):
+  """`numerator / given`, or `fallback` where that or `given` is not finite and > 0
+  (0, inf, NaN), rounded down to a power of two if asked: `fp8jax`'s
+  `scale_from_amax`, with an IEEE division (`_divide`)."""
+  quotient = _divide(jnp.float32(from_amax.numerator), given, interpret)
+  # |v| < inf is false for inf and NaN: isfinite without a call Triton may not lower.
+  usable = ((jnp.abs(given) < jnp.inf) & (given > 0) & (jnp.abs(quotient) < jnp.inf)
+            & (quotient > 0))
+  scale = jnp.where(usable, quotient, fallback)
+  if not from_amax.power_of_two:
+    return scale
+  # A normal float32 keeps its exponent field; a subnormal one its highest set bit.
+  bits = lax.bitcast_convert_type(scale, jnp.int32)
+  normal = bits & EXPONENT_BITS
+  top_bit = jnp.left_shift(jnp.int32(1), jnp.maximum(31 - lax.clz(bits), 0))
+  subnormal = jnp.where(bits > 0, top_bit, 0)
+  return lax.bitcast_convert_type(jnp.where(normal > 0, normal, subnormal), jnp.float32)
+
+
+def _divide(numerator, denominator, interpret: bool):
+  """IEEE float32 division: Triton's `/` is an approximate one on NVIDIA GPUs, which
+  would make the scale differ from the same scale made by XLA."""
+  if interpret:
+    return numerator / denominator
+  numerator = jnp.broadcast_to(numerator, jnp.shape(denominator)).astype(jnp.float32)
+  (quotient,) = plgpu.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[numerator, denominator],
+      constraints="=r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(jnp.shape(denominator), jnp.float32)])
+  return quotient
+
+
+def _bits_max_pair(a, b):
+  """max(a, b) of two float32 amaxes (>= 0 or NaN) on their bit patterns: NaN wins."""
+  bits = [lax.bitcast_convert_type(v, jnp.int32) for v in (a, b)]
+  return lax.bitcast_convert_type(jnp.maximum(*bits), jnp.float32)
 
 
 def _store(ref, value, mask):
@@ -220,15 +301,18 @@ def _reduce_tiles(tiles_ref, running):
 
 
 def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
-          passed=(), *, cast: _Cast | None, amax: _Amax, block_sizes: CastTransposeBlockSizes,
-          interpret: bool):
+          passed=(), given=None, *, cast: CastSpec | None, amax: AmaxSpec,
+          block_sizes: CastTransposeBlockSizes, interpret: bool):
   """Runs the kernel over all tiles of x.
 
-  Returns (q, q_t, amax_out, products, reduced, seeds, passed): q None without a
-  cast, products None without partners, amax_out float32[] or (`amax.accumulate ==
-  "tiles"`) float32[tile_count], reduced None unless `amax.reduce`, seeds and passed
-  (copies of `passed`, float32 vectors) tuples.
+  Returns (q, q_t, amax_out, products, reduced, seeds, passed, descale): q None
+  without a cast, products None without partners, amax_out float32[] or
+  (`amax.accumulate == "tiles"`) float32[tile_count], reduced None unless
+  `amax.reduce`, seeds and passed (copies of `passed`, float32 vectors) tuples,
+  descale the float32[] 1 / scale made from `given` = (amax, recorded amax)
+  (`cast.from_amax`), else None.
   """
+  from_amax = cast.from_amax if cast is not None else None
   tiling = tiling_for(x.shape, block_sizes)
   rows, cols = x.shape
   block = (tiling.block_rows, tiling.block_cols)
@@ -239,7 +323,7 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   # 0-d blocks: the GEMM reads each product as its scalar operand directly (a [1]
   # array would need a reshape XLA puts between converts, costing a kernel).
   rank0_spec = pl.BlockSpec((), lambda i, j: ())
-  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed)
+  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given)
   # Inside shard_map: a buffer written in place gives its type to the output, so it
   # carries that of max(amax_in, max|x|); every other output varies as what it is
   # computed from.
@@ -250,10 +334,16 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   if cast is not None:
     operands.append(scale.reshape(1))
     in_specs.append(scalar_spec)
+  if amax.accumulate == "given":
+    operands += [a.reshape(1) for a in given]
+    in_specs += [scalar_spec] * 2
   n_partners = 0 if partners is None else len(partners)
+  if n_partners and from_amax is None:
+    operands.append(descale)
+    in_specs.append(rank0_spec)
   if n_partners:
-    operands += [descale, *partners]
-    in_specs += [rank0_spec] * (1 + n_partners)
+    operands += list(partners)
+    in_specs += [rank0_spec] * n_partners
   if amax.accumulate != "tiles":  # tile maxima leave amax_in to the launch reducing them
     operands.append(amax_in.reshape(1))
     in_specs.append(scalar_spec)
@@ -273,13 +363,19 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   out_specs, out_shape = [], []
   if cast is not None:
     out_specs.append(tile_spec)
-    cast_axes = varying_axes(x, scale)
+    cast_axes = varying_axes(x, scale, given[:1] if given else None)
     out_shape.append(out_struct((rows, cols), cast.dtype, cast_axes))
     if cast.transpose:
       out_specs.append(pl.BlockSpec(block[::-1], lambda i, j: (j, i)))
       out_shape.append(out_struct((cols, rows), cast.dtype, cast_axes))
+  # The descale is an operand, or made from the fallback scale and the given amax.
+  descale_axes = (varying_axes(descale) if from_amax is None
+                  else varying_axes(scale, given[0]))
+  if from_amax is not None:
+    out_specs.append(rank0_spec)
+    out_shape.append(out_struct((), jnp.float32, descale_axes))
   out_specs += [rank0_spec] * n_partners
-  out_shape += [out_struct((), jnp.float32, varying_axes(descale, partner))
+  out_shape += [out_struct((), jnp.float32, descale_axes | varying_axes(partner))
                 for partner in partners or ()]
   amax_at = len(out_shape)
   if amax.accumulate == "tiles":
@@ -287,6 +383,10 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
     out_specs.append(pl.BlockSpec((1,), lambda i, j: (i * grid_cols + j,)))
     out_shape.append(out_struct((tile_count(x.shape, block_sizes),), jnp.float32,
                                 varying_axes(x)))
+    aliases = {}
+  elif amax.accumulate == "given":  # one program writes it: nothing to alias
+    out_specs.append(scalar_spec)
+    out_shape.append(out_struct((1,), jnp.float32, varying_axes(amax_in, given[1])))
     aliases = {}
   else:
     out_specs.append(scalar_spec)
@@ -302,7 +402,8 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   out_shape += [out_struct((length,), jnp.float32, varying_axes(vector))
                 for length, vector in zip(amax.passed, passed)]
   outs = pl.pallas_call(
-      functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners, amax=amax),
+      functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners, amax=amax,
+                        interpret=interpret),
       grid=tiling.grid,
       in_specs=in_specs,
       out_specs=out_specs,
@@ -321,14 +422,17 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   copies = tuple(outs[seeds_at + amax.seeds:])
   q = outs[0] if cast is not None else None
   q_t = outs[1] if cast is not None and cast.transpose else None
-  return q, q_t, amax_out, products, reduced, seeds, copies
+  descale_out = outs[amax_at - n_partners - 1] if from_amax is not None else None
+  return q, q_t, amax_out, products, reduced, seeds, copies, descale_out
 
 
 @functools.partial(jax.jit, static_argnames=("cast", "amax", "block_sizes", "interpret"))
-def _call_jit(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
-              passed=(), *, cast, amax=_Amax(), block_sizes, interpret):
-  return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, cast=cast,
-               amax=amax, block_sizes=block_sizes, interpret=interpret)
+def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
+           passed=(), given=None, *, cast, amax=AmaxSpec(), block_sizes, interpret):
+  """One jitted launch of the kernel over all tiles of x (`_call`), for this module's
+  public functions and those of `cast_transpose_chain` and `cast_transpose_current`."""
+  return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given,
+               cast=cast, amax=amax, block_sizes=block_sizes, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -376,11 +480,11 @@ def cast_transpose_amax(
   check_flag(transpose, "transpose")
   check_flag(interpret, "interpret")
   check_block_sizes(block_sizes)
-  cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
+  cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
   descale, partner_descales = check_products(descale, partner_descales)
-  q, q_t, amax_out, products, *_ = _call_jit(x, scale, amax_in, descale, partner_descales,
-                                             cast=cast, block_sizes=block_sizes,
-                                             interpret=interpret)
+  q, q_t, amax_out, products, *_ = launch(x, scale, amax_in, descale, partner_descales,
+                                          cast=cast, block_sizes=block_sizes,
+                                          interpret=interpret)
   return (q, q_t, amax_out) if products is None else (q, q_t, amax_out, products)
 
 
@@ -405,126 +509,11 @@ def amax(
   amax_in = scalar_f32(amax_in, "amax_in")
   check_flag(interpret, "interpret")
   check_block_sizes(block_sizes)
-  return _call_jit(x, None, amax_in, cast=None, block_sizes=block_sizes,
-                   interpret=interpret)[2]
+  return launch(x, None, amax_in, cast=None, block_sizes=block_sizes,
+                interpret=interpret)[2]
 
 
-class ChainedCast(NamedTuple):
-  """What `cast_transpose_amax_in_chain` returns.
-
-  Attributes:
-    q, q_t: the FP8 copy [R, C] and its transpose [C, R] (None without `transpose`).
-    amax: float32[] max(amax_in, max|x|); with `tile_amaxes`, float32[tile_count] the
-      maxima of the tiles (each program's), for a later launch to reduce.
-    products: the GEMMs' combined descales (None without `partner_descales`).
-    reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
-    seeds: `seeds` float32[] zeros, each an accumulator for a later launch.
-    passed: copies of the `pass_through` arrays, in their shapes.
-  """
-
-  q: jax.Array
-  q_t: jax.Array | None
-  amax: jax.Array
-  products: tuple | None
-  reduced: jax.Array | None
-  seeds: tuple
-  passed: tuple = ()
-
-
-def cast_transpose_amax_in_chain(
-    x: jax.Array, scale: jax.Array, amax_in: jax.Array | None, *, fp8_dtype, fp8_max: float,
-    transpose: bool = True, descale: jax.Array | None = None,
-    partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
-    tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
-    pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
-    interpret: bool = False,
-) -> ChainedCast:
-  """`cast_transpose_amax` as one launch of a chain that initialises no buffer.
-
-  The kernel's programs fold their tiles' maxima into one float32 with atomics, so
-  that buffer must hold its start value before the launch. Given amax_in itself
-  (`cast_transpose_amax`), XLA copies it first wherever it cannot be overwritten (a
-  jit parameter, a constant, a value read again): a kernel launch for 4 bytes. In a
-  chain of launches (an FP8 layer's casts) nothing runs for it:
-
-  * the first launch writes one maximum per tile (`tile_amaxes=True`), which needs
-    no initialised buffer, and leaves amax_in (pass None) to a later launch;
-  * a later launch reduces them with that running amax (`reduce=(tiles, running)`);
-  * a launch writes zeroed buffers (`seeds=n`) that later launches accumulate into
-    (`accumulator=`), folding their own amax_in in.
-
-  Each of these extra values is written by one program of a launch that runs anyway.
-  So are copies of small arrays (`pass_through`): the scales and amax histories the
-  step's state update reads. An update that reads a jit parameter keeps it alive
-  until the step's end, so with the state donated XLA must copy every new value it
-  writes into that parameter's buffer; read from these copies, the parameters die
-  at the casts and the update writes its results where they were.
-
-  Args:
-    x, scale, fp8_dtype, fp8_max, transpose, descale, partner_descales, block_sizes,
-      interpret: as for `cast_transpose_amax`.
-    amax_in: float32[] running amax (>= 0 or NaN); None with `tile_amaxes`.
-    accumulator: float32[] holding 0 (a seed of an earlier launch): the amax is
-      max(amax_in, max|x|) written into its buffer in place.
-    tile_amaxes: return the maxima of the tiles instead of one amax.
-    reduce: (tiles float32[T], running float32[]) of an earlier launch: also return
-      max(running, max(tiles)).
-    seeds: how many float32[] zeros to return (0 to 4).
-    pass_through: float32 arrays of at most one dimension to return copies of.
-
-  Returns:
-    A `ChainedCast`.
-  """
-  check_x(x)
-  fp8_dtype = check_fp8(fp8_dtype, fp8_max)
-  scale = scalar_f32(scale, "scale")
-  check_flag(transpose, "transpose")
-  check_flag(interpret, "interpret")
-  check_flag(tile_amaxes, "tile_amaxes")
-  check_block_sizes(block_sizes)
-  accumulate, amax_in, accumulator = check_accumulation(amax_in, accumulator, tile_amaxes)
-  tiles = check_reduce(reduce)
-  if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 <= seeds <= 4:
-    raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
-  cast = _Cast(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
-  descale, partner_descales = check_products(descale, partner_descales)
-  passed = check_pass_through(pass_through)
-  amax = _Amax(accumulate=accumulate, reduce=tiles is not None, seeds=seeds,
-               passed=tuple(int(jnp.size(a)) for a in passed))
-  out = _call_jit(x, scale, amax_in, descale, partner_descales, accumulator, tiles,
-                  tuple(jnp.ravel(a) for a in passed), cast=cast, amax=amax,
-                  block_sizes=block_sizes, interpret=interpret)
-  copies = tuple(c.reshape(jnp.shape(a)) for c, a in zip(out[-1], passed))
-  return ChainedCast(*out[:-1], copies)
-
-
-def cast_transpose_amax_in_chain_reference(
-    x: jax.Array, scale: jax.Array, amax_in: jax.Array | None, *, fp8_dtype, fp8_max: float,
-    transpose: bool = True, descale: jax.Array | None = None,
-    partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
-    tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
-    pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
-) -> ChainedCast:
-  """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
-  check_x(x)
-  check_flag(tile_amaxes, "tile_amaxes")
-  check_block_sizes(block_sizes)
-  accumulate, amax_in, accumulator = check_accumulation(amax_in, accumulator, tile_amaxes)
-  tiles = check_reduce(reduce)
-  start = jnp.float32(0) if accumulate == "tiles" else amax_in
-  if accumulate == "accumulator":
-    start = _bits_max(accumulator, amax_in)
-  q, q_t, amax_out, *products = cast_transpose_amax_reference(
-      x, scale, start, fp8_dtype=fp8_dtype, fp8_max=fp8_max, transpose=transpose,
-      descale=descale, partner_descales=partner_descales)
-  if tile_amaxes:
-    amax_out = tile_maxima(x, block_sizes)
-  reduced = _bits_max(tiles[1], tiles[0]) if tiles is not None else None
-  return ChainedCast(q, q_t, amax_out, products[0] if products else None, reduced,
-                     (jnp.float32(0),) * seeds, check_pass_through(pass_through))
-
-
-def _bits_max(*values):
+def bits_max(*values):
   """The max of float32 amaxes (>= 0 or NaN; scalars or vectors) on their bit
   patterns, where NaN sorts above inf."""
   flat = jnp.concatenate([jnp.ravel(jnp.asarray(v, jnp.float32)) for v in values])

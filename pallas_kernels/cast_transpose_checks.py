@@ -64,6 +64,12 @@ def check_products(descale, partner_descales):
   return scalar_f32(descale, "descale"), partners
 
 
+def check_margin(margin) -> None:
+  if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+    raise ValueError(f"margin={margin!r} must be an int >= 0 (the scale is divided by "
+                     "2**margin).")
+
+
 def check_accumulation(amax_in, accumulator, tile_amaxes):
   """(how the launch accumulates, amax_in, accumulator), checked."""
   if tile_amaxes:

@@ -29,7 +29,7 @@ from fp8jax.ops import fused_kernels
 from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
 from pallas_kernels.varying import varying_axes
 
-N_MESH_TESTS = 9
+N_MESH_TESTS = 10
 
 
 def test_mesh_tests_pass_on_8_devices():
@@ -78,6 +78,12 @@ def _trace_in_shard_map(per_device, *args, in_specs=P()):
                         out_specs=in_specs)).trace(*args)
 
 
+def _type_mismatches(layout, got, want) -> list:
+  """[(layout, the kernel's output types, its definition's)] where they differ, else []."""
+  got_types, want_types = (jax.tree.map(varying_axes, out) for out in (got, want))
+  return [] if got_types == want_types else [(layout, got_types, want_types)]
+
+
 def _varying_if(on: bool, x):
   return jax.lax.pcast(x, ("data",), to="varying") if on else x
 
@@ -94,9 +100,7 @@ def test_cast_kernel_outputs_vary_as_its_definitions_do_for_every_input_layout()
     for layout in layouts:
       x_l, *rest = (_varying_if(on, a) for on, a in zip(layout, (x, *scalars.values())))
       got, want = _cast_both(x_l, dict(zip(scalars, rest)), with_products=True)
-      got_types, want_types = (jax.tree.map(varying_axes, out) for out in (got, want))
-      if got_types != want_types:
-        mismatches.append((layout, got_types, want_types))
+      mismatches.extend(_type_mismatches(layout, got, want))
     amax_of_split_x = pallas_kernels.running_amax(_varying_if(True, x), scalars["running"],
                                                   interpret=True)
     mismatches.extend([] if varying_axes(amax_of_split_x) == {"data"} else ["running_amax"])
@@ -130,9 +134,35 @@ def test_chained_cast_outputs_vary_as_their_definitions_do_for_every_input_layou
       got = chain(functools.partial(pallas_kernels.cast_transpose_amax_in_chain,
                                     interpret=True), *args)
       want = chain(pallas_kernels.cast_transpose_amax_in_chain_reference, *args)
-      got_types, want_types = (jax.tree.map(varying_axes, out) for out in (got, want))
-      if got_types != want_types:
-        mismatches.append((layout, got_types, want_types))
+      mismatches.extend(_type_mismatches(layout, got, want))
+    return x
+
+  _trace_in_shard_map(per_device, x)
+  assert not mismatches, mismatches
+
+
+@multidevice
+def test_cast_from_amax_outputs_vary_as_its_definitions_do_for_every_input_layout():
+  """Current scaling's cast (`cast_transpose_from_amax`): x, the amax its scale comes
+  from, the fallback scale, the running amax, the amax recorded and a partner descale
+  each replicated or split, 64 layouts, with a state vector copied through."""
+  x, scalars = _cast_inputs(17)
+  options = dict(fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0, margin=1, power_of_two=True)
+  mismatches = []
+
+  def per_device(x):
+    for layout in itertools.product([False, True], repeat=6):
+      x_l, amax, fallback, running, recorded, partner = (
+          _varying_if(on, a) for on, a in zip(layout, (
+              x, scalars["running"], scalars["scale"], scalars["running"] / 2,
+              scalars["descale"], scalars["partner"])))
+      kwargs = dict(recorded_amax=recorded, partner_descales=(partner,),
+                    pass_through=(jnp.stack([running] * 3),), **options)
+      got = pallas_kernels.cast_transpose_from_amax(x_l, amax, fallback, running,
+                                                    interpret=True, **kwargs)
+      want = pallas_kernels.cast_transpose_from_amax_reference(x_l, amax, fallback, running,
+                                                               **kwargs)
+      mismatches.extend(_type_mismatches(layout, got, want))
     return x
 
   _trace_in_shard_map(per_device, x)
