@@ -173,7 +173,8 @@ def test_bad_chain_arguments_raise_errors_that_name_them(kwargs, message):
 @pytest.fixture
 def interpreted_kernels(monkeypatch):
   """fp8jax's fused kernels chosen on CPU too, run by the Pallas interpreter."""
-  for name in ("cast_transpose_amax_in_chain", "close_steps", "running_amax"):
+  for name in ("cast_transpose_amax_in_chain", "cast_transpose_from_amax", "close_steps",
+               "running_amax"):
     monkeypatch.setattr(pallas_kernels, name,
                         functools.partial(getattr(pallas_kernels, name), interpret=True))
   monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))

@@ -34,7 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fp8jax
 from fp8jax import deviceless
 from fp8jax.lowering.cost import cost
-from test_fp8_budgets import bf16_dense_step, bf16_stack_loss, fp8_dense_step, fp8_stack_loss
+from test_fp8_budgets import (bf16_dense_step, bf16_stack_loss, fp8_dense_step, fp8_stack_loss,
+                               is_amax_reduction)
 
 _MISSING = deviceless.deviceless_toolchain_missing()
 pytestmark = [pytest.mark.hopper, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
@@ -107,7 +108,8 @@ def test_data_parallel_quantizes_each_shard_and_gathers_nothing(data_mesh, recip
   # The fused kernels run, one per tensor, on the local shard (x and g: n x n each).
   casts = [k for k in fp8.kernels if "custom_partitioning" in k.op_name and k.category == "pallas"
            and k.bytes_in >= n * n * 2]
-  assert len(casts) == (3 if recipe == DELAYED else 6), fp8.table()
+  # (Current scaling's amax reductions are XLA's, partitioned by XLA.)
+  assert len(casts) == 3, fp8.table()
   # Beyond bf16's collectives, only the amaxes: a few scalars.
   assert _link_bytes(fp8) <= _link_bytes(bf16) + SCALAR_BYTES, (fp8.table(), bf16.table())
 
@@ -141,12 +143,12 @@ def test_data_parallel_delayed_scaling_is_predicted_faster_per_device(data_mesh,
   assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())
 
 
-@pytest.mark.parametrize("n, at_least", [(8192, 1.45), (2048, 0.65)])
+@pytest.mark.parametrize("n, at_least", [(8192, 1.5), (2048, 0.8)])
 def test_data_parallel_current_scaling_pays_only_its_amax_all_reduces(data_mesh, n, at_least):
-  """Current scaling needs each tensor's global amax before its cast: one small
-  all-reduce (and its launch) per sharded tensor, x and g, that the cast waits
-  on. The one-GPU bounds of test_fp8_budgets are 1.45x and 0.70x; at 2048 those
-  two launches cost 0.76x -> 0.69x, hence 0.65x here."""
+  """Current scaling needs each tensor's global amax before its cast: the sharded
+  tensors' (x and g) go through a small all-reduce (with XLA's pack and slices
+  around it) that the casts wait on. The one-GPU bounds of test_fp8_budgets are
+  1.5x and 0.85x; at 2048 those launches cost 0.90x -> 0.85x, hence 0.8x here."""
   fp8, bf16 = _dense_steps(DEVICES * n, n, CURRENT, data_mesh, P("data", None), P())
   assert bf16.compute_time_s / fp8.compute_time_s >= at_least, (fp8.table(), bf16.table())
 
@@ -224,10 +226,10 @@ def test_shard_map_runs_the_fused_kernels_on_each_devices_arrays(data_mesh, reci
   assert len(gemms) == 3 and all(k.gemm_dtype.startswith("f8") for k in gemms), fp8.table()
   assert all(k.flops == 2 * n ** 3 for k in gemms), fp8.table()
   # One Pallas cast kernel per tensor (x, kernel, g: n x n each on every device),
-  # current scaling's amax pass before each, and one kernel for the state update.
+  # current scaling's amax reduction before each, and one kernel for the state update.
   casts = [k for k in fp8.kernels if "cast_transpose_amax" in k.op_name and
            k.category == "pallas" and k.bytes_in >= n * n * 2]
-  amax_passes = [k for k in fp8.kernels if k.category == "pallas" and "/amax/" in k.op_name]
+  amax_passes = [k for k in fp8.kernels if is_amax_reduction(k) and k.bytes_in >= n * n * 2]
   updates = [k for k in fp8.kernels if "fp8_scale_update" in k.op_name]
   assert len(casts) == 3 and len(updates) == 1, fp8.table()
   assert len(amax_passes) == (3 if recipe == CURRENT else 0), fp8.table()

@@ -1,12 +1,15 @@
 """Current scaling without its amax pass: the producer of x hands `fp8_dense` max|x|.
 
-`fp8_dense` on its own must read an arbitrary x once for its amax before it can cast it
-(current scaling's scale is fmt.max / max|x|). When the op that wrote x computed that
-amax while writing it (`fp8jax.rms_norm` / `fp8jax.gelu` with `return_amax=True`), the
-layer takes it (`x_amax=`) and skips the pass: the same numbers bit for bit, one kernel
-fewer per projection in the compiled step.
+`fp8_dense` on its own must reduce an arbitrary x for its amax before it can cast it
+(current scaling's scale is fmt.max / max|x|). Where x's producer is a kernel XLA
+writes, XLA computes that reduction inside it; where it is not (a parameter, a GEMM's
+or a Pallas kernel's output) the reduction is a pass of its own. Given the amax
+(`x_amax=`, e.g. from `fp8jax.rms_norm` / `fp8jax.gelu` with `return_amax=True`), the
+layer skips the reduction: the same numbers bit for bit, and only x's cast reads x.
 """
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,20 +85,33 @@ def test_the_flax_layer_passes_x_amax_only_for_the_inputs_it_does_not_cast():
 
 @pytest.mark.hopper
 @pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
-def test_a_producers_amax_removes_the_projections_amax_pass_from_the_compiled_step():
+def test_given_its_amax_x_is_read_by_its_cast_alone_in_the_compiled_step():
+  """x is a parameter of the step here, so nothing in the step writes it and without
+  `x_amax` current scaling reads it in a reduction of its own before the cast. Given
+  the amax (from whatever wrote x), only the cast reads x."""
   from fp8jax.lowering.cost import cost
 
   recipe = fp8jax.CurrentScaling()
-  shapes = jax.eval_shape(lambda: _arguments(recipe))
+  rows, width, out = 1024, 512, 64  # x is the one tensor of 1 MB; the others are 128 KB
 
-  def amax_passes(x_amax_of):
-    report = cost(jax.jit(_layer(recipe, x_amax_of)), *shapes, target="deviceless")
-    return [k for k in report.kernels if k.category != "gemm" and "/amax/" in k.op_name]
+  def x_readers(given):
+    def loss(w, state, x, x_amax):
+      y, meta = fp8jax.fp8_dense(x, w, None, state, x_amax=x_amax if given else None)
+      return jnp.sum(y.astype(jnp.float32) ** 2), meta
 
-  given = amax_passes(lambda h, h_amax: h_amax)
-  measured = amax_passes(lambda h, h_amax: None)
-  # x's amax pass is gone; the kernel's and the output gradient's remain.
-  assert len(given) == len(measured) - 1, (given, measured)
+    args = (jax.ShapeDtypeStruct((width, out), jnp.bfloat16),
+            jax.eval_shape(lambda: fp8jax.init_dot_meta(recipe)),
+            jax.ShapeDtypeStruct((rows, width), jnp.bfloat16),
+            jax.ShapeDtypeStruct((), jnp.float32))
+    report = cost(fp8jax.value_and_grad(loss), *args, target="deviceless")
+    return [k for k in report.kernels if not k.is_gemm and k.bytes_in >= rows * width * 2]
+
+  def kinds(kernels):  # the cast kernel, or the reduction under fp8jax's "amax" scope
+    return sorted("cast" if "cast_transpose_amax" in k.op_name else
+                  "amax" if re.search(r"[/(]amax[/)]", k.op_name) else k.name for k in kernels)
+
+  assert kinds(x_readers(True)) == ["cast"]
+  assert kinds(x_readers(False)) == ["amax", "cast"]
 
 
 @pytest.mark.parametrize("bad", [jnp.ones((2,)), jnp.int32(3)], ids=["vector", "int"])

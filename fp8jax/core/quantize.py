@@ -70,7 +70,9 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 def amax(x: jax.Array) -> jax.Array:
   """float32[] absolute maximum of `x` (NaN if `x` holds a NaN); exact (`max_by_bits`)."""
-  return max_by_bits(jnp.abs(x.astype(jnp.float32)), initial=0)
+  # 0 for an empty x; the `initial` that gives it is left out elsewhere, where it would
+  # change nothing but cost a launch of its own (XLA does not fuse max(reduce, 0)).
+  return max_by_bits(jnp.abs(x.astype(jnp.float32)), initial=0 if jnp.size(x) == 0 else None)
 
 
 def amax_max(a: jax.Array, b: jax.Array) -> jax.Array:

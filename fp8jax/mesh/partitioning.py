@@ -242,7 +242,8 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
   """`cast(w, *scalars) -> (q, q_t, amax, *scalars_out)` for a weight sharded as FSDP shards it.
 
   `amax` is of the kind `call`'s `amax_kind` says: "amax" (one float32) or "tiles"
-  (the maxima of the kernel's tiles), made global as `shard_local` makes them.
+  (the maxima of the kernel's tiles), made global as `shard_local` makes them, or
+  "scalar" (computed from replicated operands alone: already global).
 
   Called as `call(w, x, *scalars)`: `x` is the activation the weight meets in
   its GEMM; only its sharding is read. The mesh axes that split both the
@@ -310,8 +311,8 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
                         infer_sharding_from_operands, f"{operands} -> {results}")
 
   def call(w, x, *scalars, n_scalars_out: int = 0, amax_kind: str = "amax"):
-    if amax_kind not in ("amax", "tiles"):
-      raise ValueError(f"amax_kind={amax_kind!r} must be 'amax' or 'tiles'.")
+    if amax_kind not in ("amax", "tiles", "scalar"):
+      raise ValueError(f"amax_kind={amax_kind!r} must be 'amax', 'tiles' or 'scalar'.")
     return partitioned_for(len(scalars), n_scalars_out, x.ndim, amax_kind)(w, x, *scalars)
 
   return call

@@ -23,7 +23,14 @@ def cast_scale(meta: Fp8Meta, tensor_amax: jax.Array, like: jax.Array) -> jax.Ar
   """
   if not meta.recipe.scales_from_tensor:
     return meta.scale
-  return scale_for(meta, global_amax(unbatched_like(meta.amax, tensor_amax), like))
+  return scale_for(meta, amax_of_whole(meta, tensor_amax, like))
+
+
+def amax_of_whole(meta: Fp8Meta, tensor_amax: jax.Array, like: jax.Array) -> jax.Array:
+  """The float32[] amax of the whole tensor `like` is this trace's view of, from `like`'s
+  own amax: the max over a `jax.vmap` batch where `meta` is unbatched, over the devices
+  that hold the other shards inside `jax.shard_map`; elsewhere `tensor_amax` itself."""
+  return global_amax(unbatched_like(meta.amax, tensor_amax), like)
 
 
 def quantize_with_meta(x: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, jax.Array, Fp8Meta]:

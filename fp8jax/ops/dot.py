@@ -17,10 +17,13 @@ kernel that also writes its transposed FP8 copy and records its amax
 (`fp8jax.ops.fused_kernels`; under delayed scaling the three casts hand each
 other their amax buffers, so nothing else launches for them), and the three
 GEMMs read those copies in the layout cuBLASLt's FP8 GEMM wants, so XLA adds no
-transpose. The same kernels also return each GEMM's combined descale, and each
-GEMM is one `__cublas$lt$matmul$f8` that applies it as its alpha and writes the output
-dtype straight from its float32 accumulator (`scaled_matmul_nt`): no kernel
-reads a GEMM's output before its consumer. Other dimension numbers (batch
+transpose. Current scaling needs each tensor's amax before its cast: a reduction
+XLA computes in the kernel that writes the tensor where it can (or `x_amax`, from
+x's producer), from which the cast kernel makes the scale and the rest itself.
+The same kernels also return each GEMM's combined descale, and each GEMM is one
+`__cublas$lt$matmul$f8` that applies it as its alpha and writes the output dtype
+straight from its float32 accumulator (`scaled_matmul_nt`): no kernel reads a
+GEMM's output before its consumer. Other dimension numbers (batch
 dims) take the general path, where XLA places the transposes.
 
 State: the function returns the meta with the amaxes of x and kernel recorded;
@@ -59,9 +62,9 @@ from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import match_operand_axes, varying_axes
 from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
 from fp8jax.ops import weight_reuse
-from fp8jax.ops.cast import cast_scale, quantize_with_meta
+from fp8jax.ops.cast import amax_of_whole, cast_scale, quantize_with_meta
 from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
-from fp8jax.ops.fused_kernels import cast_in_chain, tensor_amax
+from fp8jax.ops.fused_kernels import cast_from_amax, cast_in_chain
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -299,9 +302,13 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `t`'s amax.
 
   Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
-  GPU). Current scaling needs t's amax before it can cast, so it is the
-  minimum of two passes: an amax pass, a scalar step for the scale, then the
-  cast pass, which also carries the running amax through.
+  GPU). Current scaling needs t's amax before it can cast: `known_amax` (max|t|
+  from t's producer), else a reduction written in jnp, which XLA computes in the
+  kernel that writes t wherever that kernel is its own (an activation function, a
+  norm's backward, a dtype conversion of a weight) and in a pass of its own only
+  where it is not (a jit parameter, a GEMM's or a Pallas kernel's output). The
+  cast kernel then makes the scale, its descale and the running amax from that
+  amax itself (`fused_kernels.cast_from_amax`): no launch for a scalar.
 
   `chain`: how the cast's amax joins the layer's other casts
   (`fp8jax.ops.fused_kernels.cast_in_chain`: `tile_amaxes`, `accumulator`,
@@ -309,18 +316,22 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
 
   Returns (cast, scale_inv, running): the `fused_kernels.Cast` (its `amax` the
   new running amax, or the tile maxima, whose reduction with `running` is the
-  new running amax), the descale `1 / scale`, and the running amax before this
-  cast. `cast.products[i] = scale_inv * partner_descales[i]` (capped at the
+  new running amax; under current scaling a `fused_kernels.ScaledCast`), the
+  descale `1 / scale`, and the running amax before this cast (None under current
+  scaling). `cast.products[i] = scale_inv * partner_descales[i]` (capped at the
   float32 max): each GEMM's one descale. `known_amax`: max|t| from t's producer
   (current scaling then skips its amax pass).
   """
   if meta.recipe.scales_from_tensor:
-    t_amax = tensor_amax(t) if known_amax is None else known_amax
-    scale = cast_scale(meta, t_amax, like)
-    scale_inv = descale(meta, scale)
-    running = amax_max(meta.amax, t_amax)
-  else:
-    scale, scale_inv, running = meta.scale, meta.scale_inv, meta.amax
+    with jax.named_scope("amax"):
+      t_amax = amax(t) if known_amax is None else known_amax
+    cast = cast_from_amax(
+        t, amax_of_whole(meta, t_amax, like), meta.scale, meta.amax, meta.fmt,
+        margin=meta.recipe.margin, power_of_two=meta.recipe.power_of_two, recorded=t_amax,
+        partner_descales=partner_descales, gathered_for=gathered_for,
+        pass_through=chain.get("pass_through", ()))
+    return cast, cast.descale, None
+  scale, scale_inv, running = meta.scale, meta.scale_inv, meta.amax
   cast = cast_in_chain(
       t, scale, None if chain.get("tile_amaxes") else running, meta.fmt,
       descale=scale_inv if partner_descales is not None else None,

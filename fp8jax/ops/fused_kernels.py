@@ -14,7 +14,11 @@ GEMM kernel is a recipe's, `fp8jax.core.blocks`):
   `cast_in_chain` runs a layer's casts so that no launch of its own initialises
   their amax buffers (the first writes its tile maxima, the next reduces them and
   leaves zeroed accumulators for the ones after it).
-* `tensor_amax`: the amax pass current scaling needs before it can cast.
+* `cast_from_amax`: current scaling's cast. Given the tensor's amax (a reduction
+  XLA computes in the kernel that writes the tensor where it can), one kernel makes
+  the scale, its reciprocal, the GEMMs' descales and the running amax and casts:
+  XLA by itself launches a kernel of a few bytes for each scalar.
+* `tensor_amax`: max|x| in one Pallas pass.
 * `close_steps`: the end-of-step update of every FP8 role of a model in one
   launch (XLA compiles it into a few kernels per role).
 
@@ -51,7 +55,7 @@ from jax.custom_batching import custom_vmap
 
 import pallas_kernels
 from fp8jax.core.formats import Fp8Format
-from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize
+from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_from_amax
 from fp8jax.mesh.axes import fully_manual, inside_shard_map
 from fp8jax.mesh.explicit import is_explicitly_sharded
 from fp8jax.mesh.partitioning import shard_local, shard_local_weight_cast, vmapped_as
@@ -296,6 +300,105 @@ def _copy_of_rule(axis_size, in_batched, original, copy):
   if copy_batched and not original_batched:
     return original, False
   return copy, copy_batched
+
+
+class ScaledCast(NamedTuple):
+  """What `cast_from_amax` returns.
+
+  Attributes:
+    q, q_t: `saturate(x * scale)` in the format, [R, C], and its transpose [C, R].
+    amax: float32[] max(running_amax, recorded).
+    descale: float32[] 1 / scale.
+    products: the GEMMs' combined descales (None without `partner_descales`).
+    passed: copies of the `pass_through` arrays.
+  """
+
+  q: jax.Array
+  q_t: jax.Array
+  amax: jax.Array
+  descale: jax.Array
+  products: tuple | None
+  passed: tuple
+
+
+def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
+                   running_amax: jax.Array, fmt: Fp8Format, *, margin: int, power_of_two: bool,
+                   recorded: jax.Array | None = None, partner_descales: tuple | None = None,
+                   gathered_for: jax.Array | None = None, pass_through: tuple = ()) -> ScaledCast:
+  """Current scaling's cast of a 2-D x whose amax `t_amax` is already known.
+
+  `scale = scale_from_amax(t_amax, fmt, margin, fallback_scale, power_of_two)`, the
+  FP8 copies of x in both layouts, `1 / scale`, the GEMMs' combined descales and
+  the running amax max(running_amax, recorded) (recorded: this trace's own amax of
+  x, default t_amax). On a GPU all of it is one launch
+  (`pallas_kernels.cast_transpose_from_amax`): the kernel makes the scale itself, so
+  no launch computes a scale, a descale or a running amax. Elsewhere, and under
+  `jax.vmap`, the same values in jnp.
+
+  Args:
+    x: [R, C] bf16/f16/f32.
+    t_amax: float32[] max|x| of the whole tensor (x may be a shard of it).
+    fallback_scale: float32[] the scale kept where t_amax gives none.
+    running_amax: float32[] the step's amax so far.
+    fmt: the FP8 format.
+    margin, power_of_two: the recipe's (see `fp8jax.core.quantize.scale_from_amax`).
+    recorded, partner_descales, gathered_for, pass_through: as for `cast_in_chain`.
+
+  Returns:
+    A `ScaledCast`.
+  """
+  if pass_through and gathered_for is not None:
+    raise ValueError("pass_through is for casts of activations and gradients; a weight's cast "
+                     "(gathered_for=...) runs under a partitioning rule without it.")
+  recorded = t_amax if recorded is None else recorded
+  n_products = len(partner_descales) if partner_descales is not None else 0
+  shapes = tuple(jnp.shape(a) for a in pass_through)
+
+  def reference(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
+                pass_through, gathered_for=None):
+    scale = scale_from_amax(t_amax, fmt, margin, fallback=fallback_scale,
+                            power_of_two=power_of_two)
+    descale = 1.0 / scale
+    q = quantize(x, scale, fmt)
+    products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
+                if partner_descales is not None else None)
+    return ScaledCast(q, q.T, amax_max(running_amax, recorded), descale, products,
+                      tuple(pass_through))
+
+  def local_kernel(x, fallback_scale, t_amax, running_amax, recorded, *rest):
+    rest = list(rest)
+    partners = tuple(rest[:n_products]) if partner_descales is not None else None
+    out = pallas_kernels.cast_transpose_from_amax(
+        x, t_amax, fallback_scale, running_amax, fp8_dtype=fmt.dtype, fp8_max=fmt.max,
+        margin=margin, power_of_two=power_of_two, recorded_amax=recorded,
+        partner_descales=partners, pass_through=tuple(rest[n_products:]))
+    return (out.q, out.q_t, out.amax, out.descale, *(out.products or ()), *out.passed)
+
+  # Every scalar output comes from replicated operands alone: nothing to reduce.
+  kinds = ("same", "transposed", "scalar", "scalar") + ("scalar",) * n_products + (
+      "vector",) * len(pass_through)
+  per_shard = shard_local(local_kernel, kinds)
+
+  def kernel(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
+             pass_through, gathered_for):
+    operands = [fallback_scale, t_amax, running_amax, recorded, *(partner_descales or ())]
+    operands += [jnp.ravel(a) for a in pass_through]
+    if inside_shard_map():
+      results = local_kernel(x, *operands)
+    elif gathered_for is None:
+      results = per_shard(x, *operands)
+    else:
+      results = shard_local_weight_cast(local_kernel)(
+          x, gathered_for, *operands, n_scalars_out=len(kinds) - 3, amax_kind="scalar")
+    q, q_t, new_amax, descale, *rest = results
+    products = tuple(rest[:n_products]) if partner_descales is not None else None
+    passed = tuple(c.reshape(shape) for c, shape in zip(rest[n_products:], shapes))
+    return ScaledCast(q, q_t, new_amax, descale, products, passed)
+
+  args = (x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
+          tuple(pass_through), gathered_for)
+  cast = reference(*args) if not _takes(x) else choose(args, kernel, reference)
+  return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
 
 
 def tensor_amax(x: jax.Array) -> jax.Array:
