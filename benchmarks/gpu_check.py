@@ -8,7 +8,9 @@ Sections, in this order (each writes one JSON into --out; summary.json lists the
                 float64 references, per test passed / failed / skipped -> gpu_tests.json;
                 among them the grouped FP8 GEMMs' (tests/test_ragged_matmul.py), whose
                 passing is what may set pallas_kernels.RAGGED_GEMM_VALIDATED_ON_GPU
-  dense         benchmarks.dense: fp8_dense forward+backward vs bf16 -> dense.json
+  dense         benchmarks.dense: fp8_dense forward+backward vs bf16 at M = K = N = 2048, 4096
+                and 8192, delayed and current scaling, each step timed alone (wall clock)
+                and in one call of several steps (device time) -> dense.json
   grouped_gemm  benchmarks.grouped_gemm: the MoE expert GEMMs, per-tensor and block-scaled
                 FP8 grouped kernels vs JAX's bf16 Mosaic grouped GEMM (and XLA's
                 ragged_dot) at DeepSeek-like shapes -> grouped_gemm.json
@@ -209,7 +211,10 @@ def _highlights(tests, dense, grouped, attention, gpt, demo) -> dict:
     found["grouped_gemm_gpu_tests"] = _grouped_gemm_tests(tests)
   if dense is not None:
     found["dense_fp8_speedup"] = {
-        row["M"]: round(row["fp8_delayed_speedup_vs_bf16"], 3) for row in dense["results"]}
+        row["M"]: {recipe: {"wall": round(row[f"fp8_{recipe}_speedup_vs_bf16"], 3),
+                            "in_loop": round(row[f"fp8_{recipe}_in_loop_speedup_vs_bf16"], 3)}
+                   for recipe in ("delayed", "current")}
+        for row in dense["results"]}
   if grouped is not None:
     found["grouped_gemm"] = {f"G={row['experts']} K={row['K']} N={row['N']}":
                              _grouped_gemm_row(row) for row in grouped["results"]}

@@ -47,6 +47,10 @@ def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
   # FP8 GEMMs' among them; skipped is not validated.
   tests = json.loads((tmp_path / "gpu_tests.json").read_text())
   assert tests["skipped"] > 0 and tests["failed"] == 0 and tests["passed"] == 0
+  # The dense benchmark's speedups over bf16 for both recipes, per size.
+  for by_recipe in summary["highlights"]["dense_fp8_speedup"].values():
+    assert {recipe: sorted(row) for recipe, row in by_recipe.items()} == {
+        "delayed": ["in_loop", "wall"], "current": ["in_loop", "wall"]}, by_recipe
   grouped_tests = summary["highlights"]["grouped_gemm_gpu_tests"]
   assert set(grouped_tests["outcomes"].values()) == {"skipped"}, grouped_tests
   assert not grouped_tests["all_passed"]
