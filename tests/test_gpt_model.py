@@ -291,3 +291,45 @@ def test_attention_backend_is_xla_on_cpu_and_is_what_the_model_runs(monkeypatch)
     seen.clear()
     jax.eval_shape(gpt.Gpt(config, recipe).init, jax.random.key(0), tokens)  # traces only
     assert seen and set(seen) == {expected}, (config, recipe, seen)
+
+
+def test_projections_handed_their_inputs_amax_give_the_same_current_scaling_step(monkeypatch):
+  """The model can hand each projection after a norm or the GELU that op's output amax
+  (`gpt._writes_amax`; off, since XLA already computes those reductions inside the ops'
+  kernels, see there). The plumbing stays true: switched on, every such projection gets
+  an amax and the step (loss, gradients, FP8 state) is the same bit for bit, the amax
+  being exactly the one each projection would measure. FP8 saved activations, so that
+  both ways run fp8jax's own GELU."""
+  from fp8jax.flax import linen as fp8_linen
+  config = dataclasses.replace(SMALL, saved_activations="fp8")
+  recipe, tokens = fp8jax.CurrentScaling(), _tokens(1)
+  model = gpt.Gpt(config, recipe)
+  variables = _init(model, _tokens(0))
+
+  def loss_fn(params, fp8_state, tokens):
+    logits, updates = model.apply({"params": params, "fp8_meta": fp8_state}, tokens,
+                                  mutable=["fp8_meta"])
+    return jnp.mean(logits ** 2), updates["fp8_meta"]
+
+  def step():
+    # XLA on CPU may keep bf16 intermediates in float32 where one path fuses them and the
+    # other does not; rounded as written, both compute the same values.
+    compiled = jax.jit(fp8jax.value_and_grad(loss_fn)).lower(
+        variables["params"], variables["fp8_meta"], tokens).compile(
+            compiler_options={"xla_allow_excess_precision": False})
+    return compiled(variables["params"], variables["fp8_meta"], tokens)
+
+  measured = step()
+  handed = []
+  for name in ("fp8_dense", "fp8_dot_general"):
+    def spy(*args, op=getattr(fp8_linen, name), **kwargs):
+      handed.append(kwargs.get("x_amax") is not None)
+      return op(*args, **kwargs)
+    monkeypatch.setattr(fp8_linen, name, spy)
+  monkeypatch.setattr(gpt, "_writes_amax", lambda recipe: recipe is not None)
+  given = step()
+  # Per trace of the block (nn.scan traces it more than once): q, k, v, up and down get
+  # one; the attention output's projection does not.
+  assert handed and handed.count(True) == 5 * handed.count(False), handed
+  for got, want in zip(jax.tree.leaves(given), jax.tree.leaves(measured)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
