@@ -200,7 +200,7 @@ DOCUMENTED_MODULES = ["fp8jax", "fp8jax.flax", "fp8jax.flax.linen", "fp8jax.flax
                       "fp8jax.deviceless", "fp8jax.attention_backend", "fp8jax.fused_kernels",
                       "fp8jax.telemetry", "fp8jax.optim", "fp8jax.flax.linen_moe",
                       "fp8jax.flax.nnx_moe", "fp8jax.ops.moe_routing",
-                      "fp8jax.ops.expert_parallel", "fp8jax.models.gpt",
+                      "fp8jax.ops.expert_parallel", "fp8jax.models.gpt", "fp8jax.models.gpt_moe",
                       "fp8jax.data",
                       "fp8jax.runs"]
 

@@ -242,3 +242,50 @@ def test_bad_moe_model_fields_name_the_field(fields, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.")):
     gpt.config_for("tiny", **fields)
 
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_moe_guide_shows_the_recorded_three_seed_comparison():
+  """docs/guides/moe.md's table and figures are examples/results/compare_moe_cpu_3_seeds.json's,
+  whose summary is recomputed here from its per-seed runs."""
+  record = json.loads((ROOT / "examples/results/compare_moe_cpu_3_seeds.json").read_text())
+  text = (ROOT / "docs/guides/moe.md").read_text()
+  assert record["config"]["experts"] == 4 and record["config"]["top_k"] == 2
+  assert record["command"].startswith("fp8jax compare --experts 4 --top-k 2 --seed S")
+  seeds = sorted(record["seeds"], key=int)
+  runs_of = {seed: {run["recipe"]: run for run in record["seeds"][seed]} for seed in seeds}
+  bf16 = [runs_of[seed]["bf16"]["final_loss"] for seed in seeds]
+  assert record["bf16_final_loss_spread"] == [min(bf16), max(bf16)]
+  fp8 = [recipe for recipe in runs_of[seeds[0]] if recipe != "bf16"]
+  assert fp8 == ["delayed", "current"]
+  mean_row = f"| mean | {np.mean(bf16):.4f} |"
+  for recipe in fp8:
+    losses = [runs_of[seed][recipe]["final_loss"] for seed in seeds]
+    gaps = [loss / base - 1 for loss, base in zip(losses, bf16)]
+    for seed, gap in zip(seeds, gaps):
+      assert runs_of[seed][recipe]["rel_gap_vs_bf16"] == pytest.approx(gap, rel=1e-12)
+    assert record[f"{recipe}_rel_gap_vs_bf16_mean"] == pytest.approx(np.mean(gaps), rel=1e-12)
+    assert record[f"{recipe}_rel_gap_vs_bf16_max"] == max(gaps)
+    assert record[f"{recipe}_final_loss_mean"] == pytest.approx(np.mean(losses), rel=1e-12)
+    within = abs(np.mean(losses) - np.mean(bf16)) <= max(bf16) - min(bf16)
+    assert record[f"{recipe}_within_bf16_seed_spread"] == within
+    assert within  # as the guide says of both
+    mean_row += f" {np.mean(losses):.4f} ({100 * np.mean(gaps):+.2f}%) |"
+  for seed in seeds:
+    cells = [f"{runs_of[seed]['bf16']['final_loss']:.4f}"] + [
+        f"{runs_of[seed][r]['final_loss']:.4f} ({100 * runs_of[seed][r]['rel_gap_vs_bf16']:+.2f}%)"
+        for r in fp8]
+    assert f"| {seed} | {' | '.join(cells)} |" in text
+  assert mean_row in text
+  assert f"bf16's seed spread ({min(bf16):.4f}-{max(bf16):.4f})" in text
+  flat = " ".join(text.split())
+  walls = record["wall_s"].values()
+  assert f"{min(walls)}-{max(walls)} s per comparison" in flat
+  # The dense demo's paired gaps it is set beside.
+  dense = json.loads((ROOT / "examples/results/compare_cpu_3_seeds.json").read_text())
+  dense_gaps = [run["rel_gap_vs_bf16"] for runs in dense["seeds"].values() for run in runs
+                if run["recipe"] != "bf16"]
+  assert (f"compare_cpu_3_seeds.json`: {100 * min(dense_gaps):+.2f}% to "
+          f"{100 * max(dense_gaps):+.2f}%)") in flat
