@@ -19,8 +19,9 @@ Architecture (pre-norm, GPT-2 shaped, no biases, no learned positions):
 learned `scale` per feature). The MLP width is d_ff = 4 d and its GELU is the
 tanh approximation (with `GptConfig.experts` = E, a dropless mixture of E such
 MLPs, each token routed to `top_k` of them: `fp8jax.models.gpt_moe`). The output
-projection is tied to the input embedding: the embedding table [256, d] is its kernel. Parameters are float32; activations,
-the residual stream included, are bfloat16.
+projection is tied to the input embedding: the embedding table [256, d] is its
+kernel. Parameters are float32; activations, the residual stream included, are
+bfloat16.
 
 FP8 (`recipe` given): the q, k, v and attention-output projections are
 `fp8jax.flax.linen.Fp8DenseGeneral`, the MLP's two are `Fp8Dense`, the tied

@@ -4,7 +4,8 @@ A step's line holds `step`, `loss`, `lr`, `grad_norm`, `step_time_s`,
 `tokens_per_s`, for an MoE model `aux_loss` (the load-balancing loss summed over the
 layers; `loss` is the cross-entropy alone) and, in FP8, `fp8`: per FP8 layer and
 role the step's `amax` and the `scale` for the next step (lists: one entry per layer
-for layers under `nn.scan`, and per expert after it for the expert GEMMs' weights). An evaluation adds a line `{"step", "val_loss"}`.
+for layers under `nn.scan`, and per expert after it for the expert GEMMs' weights).
+An evaluation adds a line `{"step", "val_loss"}`.
 
 A run with telemetry (`train(..., telemetry_every=N)`) adds at its logging
 steps a line `{"step", "telemetry"}` (`telemetry_records`): per FP8 layer and
