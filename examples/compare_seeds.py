@@ -1,6 +1,7 @@
 """`fp8jax compare` over several seeds, recorded in one JSON: how far FP8 lands from bf16.
 
-    python examples/compare_seeds.py --out examples/results/compare_cpu_3_seeds.json
+    python examples/compare_seeds.py --out examples/results/compare_cpu_3_seeds.json \\
+        --table examples/results/compare_cpu.json          # the README's record
     python examples/compare_seeds.py --experts 4 --top-k 2 \\
         --out examples/results/compare_moe_cpu_3_seeds.json
 
@@ -9,14 +10,17 @@ by the options given here that this script does not take itself (e.g. `--experts
 --top-k 2`), in a process of its own, so `wall_s` is what the user waits (compiles
 included). The JSON holds:
 
-    command, machine, wall_s {seed: s}, config (compare.json's settings but the seed),
+    command, machine, wall_s {seed: s}, config (compare.json's settings but the seed,
+                                                 which is each key of seeds),
     seeds {seed: compare.json's runs}, versions (compare.json's),
     <recipe>_rel_gap_vs_bf16_mean / _max   over the seeds, each seed's gap against its own
                                            bf16 run (final_loss / bf16's - 1),
     <recipe>_final_loss_mean, bf16_final_loss_spread [min, max] over the seeds,
     <recipe>_within_bf16_seed_spread       |recipe's mean - bf16's mean| <= bf16's max - min
 
-where a final loss is the mean training loss over the last 10% of the steps.
+where a final loss is the mean training loss over the last 10% of the steps. `--table
+PATH` also keeps the first seed's compare.json there (the table `fp8jax compare` prints,
+`fp8jax.runs.table`) and its loss curves beside it (PATH with .png).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +75,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--runs", default="out/compare_seeds",
                       help="directory of the comparisons (one per seed, seed_S)")
   parser.add_argument("--out", required=True, help="the JSON to write")
+  parser.add_argument("--table", default=None,
+                      help="also copy the first seed's compare.json (and compare.png) here")
   args, compare_options = parser.parse_known_args(argv)
   taken = [option for option in compare_options if option.split("=")[0] in ("--seed", "--out")]
   if taken:
@@ -91,11 +98,14 @@ def main(argv=None) -> dict:
   record = {"command": f"fp8jax compare {shown} (S = {', '.join(map(str, args.seeds))}), "
                        "defaults otherwise",
             "machine": machine(), "wall_s": wall,
-            "config": {**{k: v for k, v in report["config"].items() if k != "seed"},
-                       "note": "the settings of each comparison; the seed is each entry of "
-                               "'seeds'"},
+            "config": {k: v for k, v in report["config"].items() if k != "seed"},
             "seeds": seeds, **summarize(seeds), "versions": report["versions"]}
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+  if args.table:
+    first = pathlib.Path(args.runs) / f"seed_{args.seeds[0]}"
+    table = pathlib.Path(args.table)
+    shutil.copyfile(first / "compare.json", table)
+    shutil.copyfile(first / "compare.png", table.with_suffix(".png"))
   print(f"wrote {args.out}")
   return record
 
