@@ -32,6 +32,9 @@ from tqdm import tqdm
 
 import fp8jax  # noqa: F401  (first: keeps JAX's CUDA plugin quiet where there is no GPU)
 import pallas_kernels
+# JAX's tuned configuration of its bf16 kernel (ragged_dot_mgpu's own sweep), the one the
+# MoE layers' bf16 expert GEMMs (fp8jax.bf16_ragged_dot) run it with.
+from fp8jax.ops.bf16_ragged_dot import MOSAIC_BLOCKS
 
 try:
   from benchmarks.timing import environment, median_seconds, write_report
@@ -43,10 +46,6 @@ SHAPES = [(experts, k, n) for experts in (8, 32) for k, n in ((7168, 2048), (204
 ROWS_PER_EXPERT = 4096
 # name: (least speedup over the best bf16 grouped GEMM, least TFLOP/s)
 TARGETS = {"fp8_tensor": (1.6, 1000.0), "fp8_block": (1.4, 900.0)}
-# JAX's tuned configuration of its bf16 kernel (ragged_dot_mgpu's own sweep); the expert
-# layer's cost prediction (benchmarks.moe_expert_layer) uses the same.
-MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-                   grid_block_n=1)
 _EXPANSION_BYTES_LIMIT = 16e9
 
 
@@ -126,7 +125,7 @@ def run(shapes, rows_per_expert, repeats, smoke, skip_fp8_kernels: str | None = 
     if on_gpu:
       from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
       timed["bf16"] = (jax.jit(lambda x, w, s: ragged_dot_mgpu.ragged_dot(
-          x, w, group_sizes=s, **MGPU_BLOCKS)), (x, w, sizes), None)
+          x, w, group_sizes=s, **MOSAIC_BLOCKS)), (x, w, sizes), None)
     grouped = pallas_kernels.ragged_matmul if on_gpu else pallas_kernels.ragged_matmul_reference
     for name, ((x8, w8t, xd, wd), mode) in fp8_ops.items():
       if skip_fp8_kernels:

@@ -16,7 +16,8 @@ Weights are float32 masters, as in mixed-precision training:
           float32 gradients); on an H100 each matmul's three GEMMs are fp8jax's grouped
           FP8 Mosaic kernels
   bf16    the same step on the best bf16 grouped GEMMs JAX ships for Hopper, its Mosaic GPU
-          kernels: `ragged_dot_mgpu` for fprop and dgrad (`transpose_rhs`),
+          kernels, through `fp8jax.bf16_ragged_dot` (what `Fp8MoE` runs without a recipe):
+          `ragged_dot_mgpu` for fprop and dgrad (`transpose_rhs`),
           `transposed_ragged_dot_mgpu` for wgrad, on bf16 copies of the masters
 
 Both compile deviceless for an H100, so `fp8jax cost` compares them kernel by kernel:
@@ -26,18 +27,13 @@ Both compile deviceless for an H100, so `fp8jax cost` compares them kernel by ke
     python -m benchmarks.moe_expert_layer     # each layer and recipe, the GEMMs listed
 
 The loss `sum(y * dy)` brings in the gradient from above (`dy`); its reduction is one
-kernel in both steps. JAX's `transposed_ragged_dot_mgpu` sizes its grid by
-`jax.devices()[0].core_count`, which a deviceless compile on a CPU host does not have:
-there it is given an H100 SXM's 132 SMs while the kernel is traced (`_H100_SMS`), and it
-compiles as on the GPU.
+kernel in both steps.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
-import types
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +45,6 @@ D_MODEL = 7168
 HIDDEN = 2048
 ROWS_PER_EXPERT = 4096
 ACTIVATIONS = ("swiglu", "gelu")
-# JAX's own tuning for its bf16 grouped kernels on an H100 (ragged_dot_mgpu's main sweeps
-# these; benchmarks.grouped_gemm times the same configuration).
-_MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-                    grid_block_n=1)
-_H100_SMS = 132
 
 
 def _specs(activation: str, experts: int, rows_per_expert: int):
@@ -112,57 +103,16 @@ def bf16_step(activation: str = "swiglu", experts: int = EXPERTS,
   params, x, sizes, dy = _specs(activation, experts, rows_per_expert)
 
   def loss(params, x, sizes, dy):
-    h = mgpu_ragged_dot(x, params["w_in"].astype(x.dtype), sizes)
-    y = mgpu_ragged_dot(_activate(h, activation), params["w_out"].astype(x.dtype), sizes)
+    # As in Fp8MoE, every row is a (token, expert) pair of some expert.
+    grouped = functools.partial(fp8jax.bf16_ragged_dot, all_rows_grouped=True)
+    h = grouped(x, params["w_in"].astype(x.dtype), sizes)
+    y = grouped(_activate(h, activation), params["w_out"].astype(x.dtype), sizes)
     return _loss(y, dy)
 
   def bf16_expert_step(params, x, sizes, dy):
     return jax.value_and_grad(loss, argnums=(0, 1))(params, x, sizes, dy)
 
   return bf16_expert_step, (params, x, sizes, dy)
-
-
-@jax.custom_vjp
-def mgpu_ragged_dot(x, w, group_sizes):
-  """`lax.ragged_dot(x [M, K], w [G, K, N], group_sizes)` on JAX's bf16 Hopper kernels."""
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  # Named, so the cost model knows the kernel in the backward pass too (module docstring
-  # of fp8jax.lowering.grouped_gemms).
-  with jax.named_scope("ragged_dot_mgpu"):
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **_MGPU_BLOCKS)
-
-
-def _mgpu_fwd(x, w, group_sizes):
-  return mgpu_ragged_dot(x, w, group_sizes), (x, w, group_sizes)
-
-
-def _mgpu_bwd(residuals, dy):
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-  x, w, group_sizes = residuals
-  dy = dy.astype(x.dtype)
-  # dgrad: dy [M, N] against each w[g] [K, N] read as its transpose.
-  with jax.named_scope("ragged_dot_mgpu"):
-    dx = ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
-                                    **_MGPU_BLOCKS)
-  with _sm_count_for_trace(), jax.named_scope("transposed_ragged_dot_mgpu"):
-    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=group_sizes,
-                                                          **_MGPU_BLOCKS)
-  return dx, dw.astype(w.dtype), None
-
-
-mgpu_ragged_dot.defvjp(_mgpu_fwd, _mgpu_bwd)
-
-
-@contextlib.contextmanager
-def _sm_count_for_trace():
-  """Where JAX's device has no `core_count` (a deviceless compile traced on a CPU host),
-  an H100 SXM's SM count while the kernel is traced; on a GPU, nothing changes."""
-  if hasattr(jax.devices()[0], "core_count"):
-    yield
-    return
-  h100 = types.SimpleNamespace(core_count=_H100_SMS)
-  with mock.patch.object(jax, "devices", lambda *args, **kwargs: [h100]):
-    yield
 
 
 def predict(activations=ACTIVATIONS, recipes=("delayed", "block")) -> dict:

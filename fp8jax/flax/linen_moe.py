@@ -11,8 +11,10 @@ two grouped matmuls (`fp8jax.fp8_ragged_dot`, with one `RaggedDotMeta` each in t
 the router's weights. Nothing is dropped: no capacity factor. The Switch Transformer
 load-balancing loss is sown as "load_balancing_loss" in the "intermediates" collection;
 add `aux_weight * loss` to the training loss (`sum_sown_losses` collects them).
-`fp8=False` runs the same layer with `jax.lax.ragged_dot` in the input dtype (the bf16
-baseline).
+`fp8=False` runs the same layer in the input dtype (the bf16 baseline) through
+`fp8jax.bf16_ragged_dot`: `jax.lax.ragged_dot`, run on JAX's own Hopper grouped GEMM kernels
+where the program is lowered for an H100 (XLA's `lax.ragged_dot` would multiply every row
+by every expert there).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from fp8jax.core.meta import init_ragged_dot_meta
 from fp8jax.core.recipes import DelayedScaling, Recipe
 from fp8jax.flax.linen import default_kernel_init, fp8_variable, read_meta, store_dot_meta
 from fp8jax.ops import moe_routing
+from fp8jax.ops.bf16_ragged_dot import bf16_ragged_dot
 from fp8jax.ops.ragged_dot import fp8_ragged_dot
 
 LOSS_NAME = "load_balancing_loss"
@@ -39,7 +42,7 @@ class Fp8MoE(nn.Module):
     top_k: experts per token.
     hidden: each expert's hidden width.
     activation: the experts' non-linearity (GELU by default).
-    fp8: run the expert GEMMs in FP8 (else `jax.lax.ragged_dot` in the input dtype).
+    fp8: run the expert GEMMs in FP8 (else `fp8jax.bf16_ragged_dot` in the input dtype).
     recipe: the FP8 recipe of both grouped matmuls.
     dtype: computation dtype (None: x's); param_dtype: the parameters'.
     kernel_init: the initializer of the router and of each expert's weights.
@@ -85,7 +88,8 @@ class Fp8MoE(nn.Module):
 
   def _grouped(self, x, w, group_sizes, meta_name: str):
     if not self.fp8:
-      return jax.lax.ragged_dot(x, w, group_sizes)
+      # Every sorted (token, expert) pair has its expert: the groups fill the rows.
+      return bf16_ragged_dot(x, w, group_sizes, all_rows_grouped=True)
     variable = fp8_variable(self, meta_name, init_ragged_dot_meta, self.recipe,
                             self.num_experts)
     y, new_meta = fp8_ragged_dot(x, w, group_sizes, read_meta(self, variable))

@@ -20,6 +20,7 @@ from fp8jax.core.meta import init_ragged_dot_meta
 from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
 from fp8jax.flax.nnx import Fp8MetaVariable, read_variable, record_variable
 from fp8jax.ops import moe_routing
+from fp8jax.ops.bf16_ragged_dot import bf16_ragged_dot
 from fp8jax.ops.ragged_dot import fp8_ragged_dot
 
 
@@ -32,7 +33,8 @@ class Fp8MoE(nnx.Module):
     top_k: experts per token.
     hidden: each expert's hidden width.
     activation: the experts' non-linearity (GELU by default).
-    fp8: run the expert GEMMs in FP8 (else `jax.lax.ragged_dot` in the input dtype).
+    fp8: run the expert GEMMs in FP8 (else `fp8jax.bf16_ragged_dot` in the input dtype:
+      `jax.lax.ragged_dot`, on JAX's Hopper grouped GEMM kernels where they apply).
     recipe: the FP8 recipe of both grouped matmuls.
     dtype, param_dtype: computation (None: x's) and parameter dtypes.
   """
@@ -77,7 +79,8 @@ class Fp8MoE(nnx.Module):
   def _grouped(self, x, param, group_sizes, meta_name: str):
     w = param[...].astype(x.dtype)
     if not self.fp8:
-      return jax.lax.ragged_dot(x, w, group_sizes)
+      # Every sorted (token, expert) pair has its expert: the groups fill the rows.
+      return bf16_ragged_dot(x, w, group_sizes, all_rows_grouped=True)
     variable = getattr(self, meta_name)
     y, new_meta = fp8_ragged_dot(x, w, group_sizes,
                                  read_variable(variable, f"{meta_name} of an Fp8MoE"))

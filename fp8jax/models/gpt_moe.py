@@ -12,7 +12,9 @@ choice: E times the MLP's parameters, top_k times its FLOPs per token), and noth
 dropped. With a recipe the two grouped GEMMs of each layer (`w_in`, `w_out`) run in FP8
 through `fp8jax.fp8_ragged_dot`, each with a `RaggedDotMeta` whose weight scale and
 history have one entry per expert; without one (bf16) the same layer runs
-`jax.lax.ragged_dot` in bf16, under the same parameter names and shapes.
+`fp8jax.bf16_ragged_dot` in bf16, under the same parameter names and shapes: on an H100
+JAX's own Mosaic GPU grouped GEMMs (the best bf16 grouped GEMMs JAX has for Hopper, not
+XLA's expansion of `lax.ragged_dot` over every expert), elsewhere `lax.ragged_dot`.
 
 Parameters of a block's MoE MLP (leading n_layers axis under `nn.scan`):
 
@@ -78,7 +80,7 @@ def moe_mlp(config: Any, recipe: Recipe | None, *, dtype: Any, param_dtype: Any,
 
   Args:
     config: the model's `GptConfig` (experts, top_k, d_ff, init_std, fp8_saved).
-    recipe: the FP8 recipe of the expert GEMMs, or None for bf16 `lax.ragged_dot`.
+    recipe: the FP8 recipe of the expert GEMMs, or None for bf16 (`fp8jax.bf16_ragged_dot`).
     dtype, param_dtype: the activations' and the parameters' dtypes.
     output_std: the standard deviation of `w_out`'s initializer (the residual branch's).
     name: the layer's name (the dense MLP's, "mlp").

@@ -69,12 +69,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     (y, new_meta): y [M, N] in x's dtype, rows past sum(group_sizes) zero; new_meta with
     this use's amaxes of x and of each expert's weight (0 for an expert without rows).
   """
-  check_floating(x, "x")
-  check_floating(w, "w")
-  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-    raise ValueError(f"fp8_ragged_dot takes x [M, K] and w [G, K, N] with the same K; got "
-                     f"x {x.shape} and w {w.shape}.")
-  check_group_sizes(group_sizes, w.shape[0], x.shape[0])
+  check_operands(x, w, group_sizes, "fp8_ragged_dot")
   refuse_split_state(meta, "meta")
   check_ragged_dot_meta(meta, w.shape[0])
   check_threaded(meta, "fp8_ragged_dot", init="fp8jax.init_ragged_dot_meta")
@@ -84,6 +79,17 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   group_sizes = vary(group_sizes, varying_axes(x))
   with reverse_mode_only("An FP8 grouped matmul (fp8jax.fp8_ragged_dot)", "jax.lax.ragged_dot"):
     return _ragged(x, w, group_sizes, meta, jnp.dtype(w.dtype))
+
+
+def check_operands(x, w, group_sizes, op: str) -> None:
+  """Raises a clear error unless x [M, K] and w [G, K, N] are floating with one K and
+  `group_sizes` is a valid int [G] (`check_group_sizes`); `op` names the caller."""
+  check_floating(x, "x")
+  check_floating(w, "w")
+  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"{op} takes x [M, K] and w [G, K, N] with the same K; got "
+                     f"x {x.shape} and w {w.shape}.")
+  check_group_sizes(group_sizes, w.shape[0], x.shape[0])
 
 
 def check_group_sizes(group_sizes, num_groups: int, rows: int) -> None:
@@ -346,14 +352,14 @@ def transposed_grouped_matmul(a_t, b_t, group_sizes, a_descale, b_descale, scale
 
 def _choose(kernel, reference, fits: bool, args, options):
   run_reference = functools.partial(reference, **options)
-  if not fits or not _hopper_possible() or not kernels_allowed(args):
+  if not fits or not hopper_possible() or not kernels_allowed(args):
     return run_reference(*args)
   run_kernel = functools.partial(kernel, **options)
   return jax.lax.platform_dependent(*args, cuda=vmapped_as(run_kernel, run_reference),
                                     default=run_reference)
 
 
-def _hopper_possible() -> bool:
+def hopper_possible() -> bool:
   """False where this process's GPU is not a Hopper (the kernels' wgmma is sm_90a);
   elsewhere (no GPU: a CPU run or a deviceless compile) the lowering platform decides."""
   if jax.default_backend() != "gpu":
