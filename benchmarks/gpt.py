@@ -9,6 +9,7 @@ backends are forced, to compare them inside the same model.
     python -m benchmarks.gpt                                 # GPU: 1b, batch 8, seq 2048
     python -m benchmarks.gpt --size 350m --batch 16 --seq 1024
     python -m benchmarks.gpt --smoke                         # CPU: tiny, proves it runs
+    python -m benchmarks.gpt --size 125m --batch 32 --experts 8 --top-k 2    # MoE
 
 tokens/s = batch * seq / median step time. The acceptance target on an H100: FP8 (delayed
 scaling, automatic attention) >= 1.25x bf16 (automatic attention) at the 1b size.
@@ -67,10 +68,11 @@ def time_steps(train_step, state, tokens, *, warmup: int, repeats: int,
 
 def run_one(size: str, recipe: str, backend: str | None, batch: int, seq: int, *,
             warmup: int, repeats: int, steps_per_sample: int, optimizer: str = "adamw",
-            saved_activations: str = "default") -> dict:
+            saved_activations: str = "default", experts: int = 0, top_k: int = 2) -> dict:
   """One row: the demo's train step for `recipe` ("bf16", "delayed", ...) with `backend`."""
+  moe = dict(experts=experts, top_k=top_k) if experts else {}
   config = RunConfig(recipe=recipe, size=size, seq=seq, batch=batch, optimizer=optimizer,
-                     saved_activations=saved_activations)
+                     saved_activations=saved_activations, **moe)
   model, tx, _ = steps.build(config)
   model = model.clone(config=dataclasses.replace(model.config, attention_backend=backend))
   fp8 = config.recipe_object is not None
@@ -84,14 +86,14 @@ def run_one(size: str, recipe: str, backend: str | None, batch: int, seq: int, *
                      tokens, warmup=warmup, repeats=repeats, steps_per_sample=steps_per_sample)
   device_stats = jax.devices()[0].memory_stats() or {}   # None on some platforms (CPU)
   return {"recipe": recipe, "requested_backend": backend or "auto", "attention_backend": chosen,
-          "optimizer": optimizer, "saved_activations": saved_activations,
+          "optimizer": optimizer, "saved_activations": saved_activations, **moe,
           "step": stats, "tokens_per_s": batch * seq / stats["median_s"],
           "memory": memory.to_dict(), "peak_bytes_in_use": device_stats.get("peak_bytes_in_use")}
 
 
 def run(size: str, batch: int, seq: int, recipes, backends, *, warmup: int = 2,
         repeats: int = 5, steps_per_sample: int = 3, optimizer: str = "adamw",
-        saved_activations: str = "default") -> dict:
+        saved_activations: str = "default", experts: int = 0, top_k: int = 2) -> dict:
   """Every (recipe, backend) row; a row that cannot run says why instead of a number."""
   rows = []
   for recipe in tqdm(recipes, desc="recipes"):
@@ -99,7 +101,7 @@ def run(size: str, batch: int, seq: int, recipes, backends, *, warmup: int = 2,
       try:
         row = run_one(size, recipe, backend, batch, seq, warmup=warmup, repeats=repeats,
                       steps_per_sample=steps_per_sample, optimizer=optimizer,
-                      saved_activations=saved_activations)
+                      saved_activations=saved_activations, experts=experts, top_k=top_k)
       except Exception as error:  # noqa: BLE001 - record why a combination cannot run here
         row = {"recipe": recipe, "requested_backend": backend or "auto",
                "skipped": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
@@ -109,8 +111,10 @@ def run(size: str, batch: int, seq: int, recipes, backends, *, warmup: int = 2,
               f"{row['tokens_per_s']:,.0f} tokens/s, {1e3 * row['step']['median_s']:.1f} ms/step, "
               f"{row['memory']['total'] / 2**30:.2f} GiB")
       rows.append(row)
-  return {"size": size, "parameters": gpt.parameter_count(gpt.config_for(size)), "batch": batch,
-          "seq": seq, "rows": rows, "fp8_speedup_vs_bf16": _auto_speedup(rows)}
+  moe = dict(experts=experts, top_k=top_k) if experts else {}
+  return {"size": size, "parameters": gpt.parameter_count(gpt.config_for(size, **moe)),
+          "batch": batch, "seq": seq, **moe, "rows": rows,
+          "fp8_speedup_vs_bf16": _auto_speedup(rows)}
 
 
 def _auto_speedup(rows) -> dict:
@@ -134,6 +138,9 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--optimizer", default="adamw", help="adamw or adamw_fp8")
   parser.add_argument("--saved-activations", default="default", help="default or fp8")
+  parser.add_argument("--experts", type=int, default=0,
+                      help="each block's MLP a mixture of this many experts (0: dense)")
+  parser.add_argument("--top-k", type=int, default=2, help="with --experts: experts per token")
   parser.add_argument("--out", default=None, help="JSON path (default: print only)")
   args = parser.parse_args(argv)
   if args.smoke:
@@ -145,7 +152,8 @@ def main(argv=None):
                            warmup=1 if args.smoke else 2, repeats=args.repeats,
                            steps_per_sample=1 if args.smoke else 3,
                            optimizer=args.optimizer,
-                           saved_activations=args.saved_activations)}
+                           saved_activations=args.saved_activations,
+                           experts=args.experts, top_k=args.top_k)}
   write_report(report, args.out)
   return report
 

@@ -39,9 +39,10 @@ def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert code == 0, summary["failed"]
   assert {name: s["status"] for name, s in summary["sections"].items()} == {
-      name: "ok" for name in ("tests", "dense", "grouped_gemm", "attention", "gpt", "demo")}
-  for name in ("gpu_tests", "dense", "grouped_gemm", "attention", "gpt", "demo_compare",
-               "attention_speeds"):
+      name: "ok" for name in ("tests", "dense", "grouped_gemm", "attention", "gpt", "moe_gpt",
+                              "demo")}
+  for name in ("gpu_tests", "dense", "grouped_gemm", "attention", "gpt", "moe_gpt",
+               "demo_compare", "attention_speeds"):
     assert (tmp_path / f"{name}.json").exists(), name
   # On a CPU every GPU test is collected and skipped (none may fail or error), the grouped
   # FP8 GEMMs' among them; skipped is not validated.
@@ -73,6 +74,11 @@ def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
              if name.startswith("pallas_hopper"))
   gpt = json.loads((tmp_path / "gpt.json").read_text())["results"]
   assert all(row["tokens_per_s"] > 0 for row in gpt["rows"])
+  # The MoE GPT's rows, bf16 and FP8, each with its speed and its step's memory.
+  moe = json.loads((tmp_path / "moe_gpt.json").read_text())["results"]
+  assert moe["experts"] == 4 and [row["recipe"] for row in moe["rows"]] == ["bf16", "delayed"]
+  assert all(row["tokens_per_s"] > 0 and row["memory"]["total"] > 0 for row in moe["rows"])
+  assert set(summary["highlights"]["moe_gpt"]["memory_gib"]) == {"bf16/xla", "delayed/xla"}
 
 
 def test_gpu_check_times_the_fp8_grouped_kernels_only_after_their_gpu_tests_passed():

@@ -58,6 +58,9 @@ def check_fields(experts, top_k, aux_loss_weight, owner: str = "GptConfig.") -> 
     top_k: experts per token, 1 <= top_k <= E (unused when experts is 0, but an int >= 1).
     aux_loss_weight: the load-balancing loss's weight, a finite number >= 0.
     owner: what the message calls the fields' holder (e.g. "GptConfig.").
+
+  Returns:
+    None; a bad field raises.
   """
   if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
     raise ValueError(f"{owner}experts={experts!r}: expected an int >= 0 (0 keeps the dense "
@@ -99,7 +102,11 @@ def moe_mlp(config: Any, recipe: Recipe | None, *, dtype: Any, param_dtype: Any,
 
 
 def mlp_parameters(config: Any) -> int:
-  """Parameters of one block's MLP: 2 d d_ff dense; E (2 d d_ff) + d E (router) with experts."""
+  """Parameters of one block's MLP.
+
+  Returns:
+    2 d d_ff for the dense MLP; E (2 d d_ff) + d E (the router) with E experts.
+  """
   dense = 2 * config.d_model * config.d_ff
   if not config.experts:
     return dense
