@@ -269,7 +269,7 @@ def _grouped_gemm_row(row: dict) -> dict:
   for name in ("bf16", "xla_bf16", "fp8_tensor", "fp8_block"):
     result = row.get(name, {})
     if "tflops" in result:
-      found[name] = round(result["tflops"], 1)
+      found[name] = float(f"{result['tflops']:.3g}")   # 3 digits: a CPU smoke is < 0.1
     elif "skipped" in result or "error" in result:
       found[name] = result.get("skipped") or result["error"]
   found["best_bf16"] = row.get("best_bf16")
