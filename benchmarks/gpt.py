@@ -17,9 +17,9 @@ scaling, automatic attention) >= 1.25x bf16 (automatic attention) at the 1b size
 Memory, per row: what XLA's analysis gives the step compiled for this device (`memory`:
 arguments, temp, outputs, aliased and their total in bytes, as `fp8jax cost --gpt`
 predicts without a GPU) and the device's peak bytes in use after the row
-(`peak_bytes_in_use`; the process's peak so far, so the largest row's peak is its own
-when the rows run smallest first). `--optimizer adamw_fp8 --saved-activations fp8`
-measures the memory-saving variant.
+(`peak_bytes_in_use`: the process's peak so far, over every row and anything the process
+ran before; the analysis is the step's own). `--optimizer adamw_fp8 --saved-activations
+fp8` measures the memory-saving variant (for every row, bf16 included).
 """
 from __future__ import annotations
 
