@@ -82,7 +82,8 @@ def run_one(size: str, recipe: str, backend: str | None, batch: int, seq: int, *
   train_step = steps.train_step_for(model, tx, fp8)
   compiled = train_step.lower(params, opt_state, fp8_state, tokens).compile()
   memory = memory_of(compiled, label=recipe, target=str(jax.devices()[0].device_kind))
-  stats = time_steps(train_step, (params, opt_state, fp8_state),
+  # The compiled step is the one timed: calling the jitted function would compile it again.
+  stats = time_steps(compiled, (params, opt_state, fp8_state),
                      tokens, warmup=warmup, repeats=repeats, steps_per_sample=steps_per_sample)
   device_stats = jax.devices()[0].memory_stats() or {}   # None on some platforms (CPU)
   return {"recipe": recipe, "requested_backend": backend or "auto", "attention_backend": chosen,

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
+from fp8jax import lowering
 
 EXPERTS = 8
 D_MODEL = 7168
@@ -117,7 +118,6 @@ def bf16_step(activation: str = "swiglu", experts: int = EXPERTS,
 
 def predict(activations=ACTIVATIONS, recipes=("delayed", "block")) -> dict:
   """Deviceless predictions of each FP8 recipe's step against the bf16 one, per layer."""
-  from fp8jax import lowering
 
   recipe_steps = {"delayed": fp8_step, "block": fp8_block_step}
   result = {"shape": {"experts": EXPERTS, "rows_per_expert": ROWS_PER_EXPERT,
