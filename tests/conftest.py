@@ -47,6 +47,14 @@ def pytest_unconfigure(config):
 
 
 def pytest_sessionstart(session):
+  # Every process of a run (each worker, each 8-device subprocess) compiles its CPU
+  # programs for compile time (cpu_compile_fast.py) before it collects the tests;
+  # FP8JAX_TEST_CPU_DEFAULT_COMPILE=1 keeps XLA's defaults, to compare.
+  if os.environ.get("FP8JAX_TEST_CPU_DEFAULT_COMPILE") != "1":
+    import cpu_compile_fast
+    if not cpu_compile_fast.install():
+      warnings.warn("this JAX's compile options are not the form tests/cpu_compile_fast.py "
+                    "knows: CPU programs compile with XLA's defaults (about twice as slow)")
   # In CI the deviceless H100 tests must run, not skip: a missing 'hopper' extra
   # would otherwise turn every lowering and PTX proof into a silent skip.
   if os.environ.get("CI"):
