@@ -4,8 +4,9 @@
     python -m benchmarks.gpu_check --smoke --out /tmp/gpu_check    # CPU: same code, tiny shapes
 
 Sections, in this order (each writes one JSON into --out; summary.json lists them all):
-  tests         every test marked `gpu` (pytest -m gpu tests/): the Hopper kernels against
-                float64 references, per test passed / failed / skipped -> gpu_tests.json;
+  tests         every test marked `gpu` (pytest -m gpu on the files that hold them): the
+                Hopper kernels against float64 references, per test passed / failed /
+                skipped -> gpu_tests.json;
                 among them the grouped FP8 GEMMs' (tests/test_ragged_matmul.py), whose
                 passing is what may set pallas_kernels.RAGGED_GEMM_VALIDATED_ON_GPU
   dense         benchmarks.dense: fp8_dense forward+backward vs bf16 at M = K = N = 2048, 4096
@@ -49,6 +50,15 @@ SECTIONS = ("tests", "dense", "grouped_gemm", "attention", "gpt", "moe_gpt", "de
 GROUPED_GEMM_TESTS = "test_ragged_matmul"
 
 
+def gpu_test_files() -> list[str]:
+  """The test files that hold tests marked `gpu` or taking the `hopper_device` fixture
+  (which marks them; tests/test_gpu_check_selection.py checks that these files hold all of
+  the suite's GPU tests): collecting only them spares the check importing the other 80."""
+  return sorted(str(path.relative_to(REPO_ROOT))
+                for path in (REPO_ROOT / "tests").glob("test_*.py")
+                if any(mark in path.read_text() for mark in ("pytest.mark.gpu", "hopper_device")))
+
+
 def run_gpu_tests(out: pathlib.Path, smoke: bool) -> dict:
   """pytest -m gpu in a subprocess; the per-test outcomes from its JUnit XML."""
   junit = out / "gpu_tests.xml"
@@ -58,7 +68,7 @@ def run_gpu_tests(out: pathlib.Path, smoke: bool) -> dict:
   env["JAX_PLATFORMS"] = "cpu" if smoke else ""
   # -n 0: one process; workers of their own would share the GPU's memory.
   command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "-p",
-             "no:cacheprovider", f"--junitxml={junit}", str(REPO_ROOT / "tests")]
+             "no:cacheprovider", f"--junitxml={junit}", *gpu_test_files()]
   proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
   tests = _junit_outcomes(junit) if junit.exists() else []
   junit.unlink(missing_ok=True)

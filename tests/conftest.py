@@ -39,6 +39,24 @@ def interpreter_compiles_each_thread_program_once():
                   "thread's program per thread and CTA (several times slower)")
 
 
+def pytest_collection_modifyitems(config, items):
+  # A test that takes the Hopper GPU is a GPU test, marked or not: the GPU check runs it.
+  for item in items:
+    if "hopper_device" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_optimized_where_marked(request):
+  """A test marked `cpu_optimized` compiles its CPU programs with XLA's defaults."""
+  if request.node.get_closest_marker("cpu_optimized") is None:
+    yield
+    return
+  import cpu_compile_fast
+  with cpu_compile_fast.optimized():
+    yield
+
+
 def pytest_unconfigure(config):
   run_dir = config.stash.get(_MADE_RUN_DIR, None)
   if run_dir:

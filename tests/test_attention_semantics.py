@@ -264,6 +264,7 @@ def _gpu_arch():
   return "sm_" + str(capability).replace(".", "")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(_gpu_arch() is None,
                     reason="backend='cudnn' runs cuDNN's fused attention: needs an NVIDIA GPU")
 def test_cudnn_follows_the_semantics_where_it_runs():

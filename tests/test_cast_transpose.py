@@ -343,6 +343,7 @@ def test_block_sizes_reject_values_triton_cannot_tile(kwargs, message):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("in_dtype", ["bf16", "f16", "f32"])
