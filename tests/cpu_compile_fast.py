@@ -10,14 +10,28 @@ makes every CPU compile in this process use LLVM without optimization
 What a program computes does not depend on either option, only how fast it runs; the
 deviceless H100 compiles (another backend) keep XLA's defaults, so the lowering facts the
 tests prove (HLO, PTX, kernels and their costs) are those of a default compile. An option
-given by the caller (`compiler_options=`) wins.
+given by the caller (`compiler_options=`) wins, and a test that runs more than it compiles
+(a demo run of many steps) is marked `cpu_optimized`: its programs get XLA's defaults
+(`optimized()`; a program an earlier test compiled keeps its compile).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+_optimizing = [False]
+
+
+@contextlib.contextmanager
+def optimized():
+  """Within it, CPU programs compile with XLA's defaults."""
+  _optimizing.append(True)
+  try:
+    yield
+  finally:
+    _optimizing.pop()
 
 
 def install() -> bool:
@@ -37,7 +51,7 @@ def install() -> bool:
   def get_compile_options(*args, **kwargs):
     bound = inspect.signature(original).bind(*args, **kwargs)
     backend = bound.arguments.get("backend")
-    if getattr(backend, "platform", None) == "cpu":
+    if getattr(backend, "platform", None) == "cpu" and not _optimizing[-1]:
       overrides = dict(bound.arguments.get("env_options_overrides") or {})
       bound.arguments["env_options_overrides"] = {**FAST_CPU_OPTIONS, **overrides}
     return original(*bound.args, **bound.kwargs)
