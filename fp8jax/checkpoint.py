@@ -579,12 +579,12 @@ def _close_abandoned_reads(error: BaseException) -> None:
 
 
 # The hook and log filter of `_drop_echoes_of_failed_reads`, once installed.
-_echo_silencer = {"hook": None, "filter": None}
+_echo_silencer = {"hook": None, "excepthook": None, "filter": None}
 
 
 def _drop_echoes_of_failed_reads() -> None:
-  """Installs (once per process) the unraisable hook and asyncio log filter that drop the
-  echoes of an abandoned read, and re-installs the hook at exit."""
+  """Installs (once per process) the unraisable hook, exception hook and asyncio log filter
+  that drop the echoes of an abandoned read, and re-installs the hooks at exit."""
   if sys.unraisablehook is not _echo_silencer["hook"]:
     previous_hook = sys.unraisablehook
 
@@ -594,6 +594,17 @@ def _drop_echoes_of_failed_reads() -> None:
 
     _echo_silencer["hook"] = hook
     sys.unraisablehook = hook
+  # A read finishing in tensorstore's thread reports "Event loop is closed" through
+  # sys.excepthook (PyErr_Print), not as unraisable: now and then, under load.
+  if sys.excepthook is not _echo_silencer["excepthook"]:
+    previous_excepthook = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+      if not _is_echo_of_failed_read(value):
+        previous_excepthook(kind, value, traceback)
+
+    _echo_silencer["excepthook"] = excepthook
+    sys.excepthook = excepthook
   if _echo_silencer["filter"] is None:
     _echo_silencer["filter"] = _EchoFilter()
     logging.getLogger("asyncio").addFilter(_echo_silencer["filter"])
