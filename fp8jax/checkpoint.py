@@ -578,37 +578,36 @@ def _close_abandoned_reads(error: BaseException) -> None:
   gc.collect()
 
 
-# The hook and log filter of `_drop_echoes_of_failed_reads`, once installed.
-_echo_silencer = {"hook": None, "excepthook": None, "filter": None}
+# The hooks and log filter of `_drop_echoes_of_failed_reads`, once installed.
+_echo_silencer = {"unraisablehook": None, "excepthook": None, "filter": None}
 
 
 def _drop_echoes_of_failed_reads() -> None:
   """Installs (once per process) the unraisable hook, exception hook and asyncio log filter
   that drop the echoes of an abandoned read, and re-installs the hooks at exit."""
-  if sys.unraisablehook is not _echo_silencer["hook"]:
-    previous_hook = sys.unraisablehook
-
-    def hook(unraisable):
-      if not _is_echo_of_failed_read(unraisable.exc_value):
-        previous_hook(unraisable)
-
-    _echo_silencer["hook"] = hook
-    sys.unraisablehook = hook
+  _drop_echoes_in_hook("unraisablehook", lambda unraisable: unraisable.exc_value)
   # A read finishing in tensorstore's thread reports "Event loop is closed" through
   # sys.excepthook (PyErr_Print), not as unraisable: now and then, under load.
-  if sys.excepthook is not _echo_silencer["excepthook"]:
-    previous_excepthook = sys.excepthook
-
-    def excepthook(kind, value, traceback):
-      if not _is_echo_of_failed_read(value):
-        previous_excepthook(kind, value, traceback)
-
-    _echo_silencer["excepthook"] = excepthook
-    sys.excepthook = excepthook
+  _drop_echoes_in_hook("excepthook", lambda kind, value, traceback: value)
   if _echo_silencer["filter"] is None:
     _echo_silencer["filter"] = _EchoFilter()
     logging.getLogger("asyncio").addFilter(_echo_silencer["filter"])
     atexit.register(_drop_echoes_of_failed_reads)
+
+
+def _drop_echoes_in_hook(name: str, exception_of) -> None:
+  """Wraps `sys.<name>` (unless the wrapper is already there) to drop the echoes of a failed
+  read and pass everything else to the hook it replaced; `exception_of(*hook_args)`."""
+  previous = getattr(sys, name)
+  if previous is _echo_silencer[name]:
+    return
+
+  def hook(*args):
+    if not _is_echo_of_failed_read(exception_of(*args)):
+      previous(*args)
+
+  _echo_silencer[name] = hook
+  setattr(sys, name, hook)
 
 
 def _is_echo_of_failed_read(exception: BaseException | None) -> bool:

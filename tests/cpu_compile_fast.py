@@ -43,13 +43,13 @@ def install() -> bool:
   original = getattr(compiler, "get_compile_options", None)
   if original is None or getattr(original, "fast_cpu", False):
     return original is not None
-  parameters = inspect.signature(original).parameters
-  if not {"env_options_overrides", "backend"} <= set(parameters):
+  signature = inspect.signature(original)
+  if not {"env_options_overrides", "backend"} <= set(signature.parameters):
     return False
 
   @functools.wraps(original)
   def get_compile_options(*args, **kwargs):
-    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     backend = bound.arguments.get("backend")
     if getattr(backend, "platform", None) == "cpu" and not _optimizing[-1]:
       overrides = dict(bound.arguments.get("env_options_overrides") or {})
