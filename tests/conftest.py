@@ -9,6 +9,14 @@ import pytest
 # Before jax is imported anywhere: tests run on the CPU backend; deviceless H100
 # compiles do not need a GPU backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU client runs programs on a pool of one thread per core unless PJRT_NPROC says
+# otherwise. Mosaic GPU's interpreter runs each kernel thread (warpgroup) as a program
+# that blocks in barrier callbacks until the others arrive, beside the program of the
+# kernel call that waits for them all: on 2 cores a pool of 2 can hold the waiting call
+# and one blocked thread while the threads they wait for queue behind them, for ever
+# (seen as a hung FP8 attention test, about 1 run in 10 under load). 8 threads cover a
+# call and its producer and consumer warpgroups with room to spare.
+os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 
 # A directory for the whole run: the pytest-xdist workers and the processes tests start
 # inherit it (`RUN_DIR` in their environment), and the process that made it removes it.
