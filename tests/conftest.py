@@ -54,6 +54,23 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.gpu)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _jax_caches_cleared_after_each_file():
+  """A test file's compiled programs and traces are dropped when it ends.
+
+  A worker runs many files and JAX keeps every program it compiled: a worker grew to
+  about 5 GB, and a file then ran about 7% slower than with the earlier files' caches
+  dropped (measured on 8 files in one process: 3.2 GB and 176 s against 4.9 GB and
+  190 s). A later file that needs a program again compiles it again, or loads it from
+  the run's persistent compilation cache.
+  """
+  yield
+  import gc
+  import jax
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _cpu_optimized_where_marked(request):
   """A test marked `cpu_optimized` compiles its CPU programs with XLA's defaults."""
