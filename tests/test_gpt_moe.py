@@ -191,10 +191,11 @@ def test_parameter_count_counts_every_expert_and_the_router():
 
 @pytest.mark.cpu_optimized
 def test_killed_and_resumed_moe_run_gives_the_losses_of_an_uninterrupted_run(tmp_path, capsys):
-  # Half the learning run's steps: what is resumed matters here, not how far it learns.
-  config = _run_config(recipe="delayed", steps=12, checkpoint_every=4, eval_every=6)
+  # A third of the learning run's steps: what is resumed matters here, not how far it
+  # learns; killed after step 5, it resumes from step 4's checkpoint.
+  config = _run_config(recipe="delayed", steps=8, checkpoint_every=4, eval_every=4)
   whole = runs.train(config, tmp_path / "whole", progress=False)
-  runs.train(config, tmp_path / "split", progress=False, stop_after=7)  # killed after 7
+  runs.train(config, tmp_path / "split", progress=False, stop_after=5)
   assert checkpoints.complete(tmp_path / "split")[-1].name == "step_0000004"
   resumed = runs.train(config, tmp_path / "split", resume=True, progress=False)
   assert resumed.losses == whole.losses  # bitwise: same batches, same compiled step
@@ -203,7 +204,7 @@ def test_killed_and_resumed_moe_run_gives_the_losses_of_an_uninterrupted_run(tmp
   assert aux("split") == aux("whole")
   model, tx, _ = build(config)
   targets = jax.eval_shape(lambda: init_state(model, tx, config))
-  restored = [fp8jax.checkpoint.restore(tmp_path / name / "checkpoints" / "step_0000012",
+  restored = [fp8jax.checkpoint.restore(tmp_path / name / "checkpoints" / "step_0000008",
                                         params=targets[0], opt_state=targets[1],
                                         fp8_state=targets[2]) for name in ("whole", "split")]
   for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):

@@ -5,6 +5,7 @@ slice of the standard library's source), so each run takes seconds on a CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import json
@@ -75,7 +76,10 @@ def test_killed_and_resumed_run_gives_the_losses_of_an_uninterrupted_run(tmp_pat
   whole = runs.train(config, tmp_path / "whole", progress=False)
   runs.train(config, tmp_path / "split", progress=False, stop_after=13)  # killed after 13
   assert checkpoint_dirs(tmp_path / "split")[-1].name == "step_0000008"
-  resumed = runs.train(config, tmp_path / "split", resume=True, progress=False)
+  with _backend_compiles() as compiled:
+    resumed = runs.train(config, tmp_path / "split", resume=True, progress=False)
+  # The restored state takes the steps compiled for the fresh one (no second compile).
+  assert not {"jit(train_step)", "jit(eval_step)"} & set(compiled), compiled
   assert resumed.losses == whole.losses  # bitwise: same batches, same compiled step
   strip = lambda lines: [{k: v for k, v in line.items() if not k.startswith(("step_time",
                                                                               "tokens_per"))}
@@ -86,6 +90,22 @@ def test_killed_and_resumed_run_gives_the_losses_of_an_uninterrupted_run(tmp_pat
       for d, (p, o, s) in ((tmp_path / name, _targets(config)) for name in ("whole", "split"))]
   for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@contextlib.contextmanager
+def _backend_compiles():
+  """The names of the programs XLA compiles within (jax.monitoring's compile events)."""
+  names = []
+
+  def record(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(record)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(record)
 
 
 def _targets(config):
