@@ -19,6 +19,7 @@ from fp8jax.cli import main
 from fp8jax.deviceless import deviceless_toolchain_missing
 from fp8jax.runs import metrics, sweep
 from fp8jax.runs.grid import grid_points
+from run_once import shared
 
 # Only settings the command line can also give, so both paths compile the same steps.
 SETTINGS = dict(size="tiny", steps=8, batch=4, seq=32, eval_every=8)
@@ -32,11 +33,11 @@ TELEMETRY_EVERY = 2
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
-  out = tmp_path_factory.mktemp("sweep")
-  report = sweep.sweep(GRID, runs.RunConfig(**SETTINGS), out, progress=False, predict=False,
-                       telemetry_every=TELEMETRY_EVERY)
-  return out, report
+def swept():
+  """(its directory, what `sweep.sweep` returned): once per test run (run_once.py)."""
+  return shared("sweep", lambda out: sweep.sweep(
+      GRID, runs.RunConfig(**SETTINGS), out, progress=False, predict=False,
+      telemetry_every=TELEMETRY_EVERY))
 
 
 def test_a_knob_multiplies_only_the_recipes_whose_dataclass_has_its_field():
