@@ -14,12 +14,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # that blocks in barrier callbacks until the others arrive, beside the program of the
 # kernel call that waits for them all: on 2 cores a pool of 2 can hold the waiting call
 # and one blocked thread while the threads they wait for queue behind them, for ever
-# (seen as a hung FP8 attention test, about 1 run in 10 under load). 8 threads cover a
-# call and its producer and consumer warpgroups with room to spare.
+# (seen as a hung FP8 attention test, about 1 run in 10 under load). At least 8 threads
+# (one per core on a larger machine), unless PJRT_NPROC is set, cover a call and its
+# producer and consumer warpgroups with room to spare.
 os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 
 # A directory for the whole run: the pytest-xdist workers and the processes tests start
-# inherit it (`RUN_DIR` in their environment), and the process that made it removes it.
+# inherit it (FP8JAX_TEST_RUN_DIR in their environment), and the process that made it removes it.
 RUN_DIR = "FP8JAX_TEST_RUN_DIR"
 _MADE_RUN_DIR = pytest.StashKey[str]()
 
@@ -56,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _jax_caches_cleared_after_each_file():
-  """A test file's compiled programs and traces are dropped when it ends.
+  """JAX's caches (its traces and compiled programs) are dropped when a test file ends.
 
   A worker runs many files and JAX keeps every program it compiled: a worker grew to
   about 5 GB, and a file then ran about 7% slower than with the earlier files' caches

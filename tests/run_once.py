@@ -3,8 +3,9 @@
 A module-scoped fixture runs once per pytest-xdist worker, and the workers split a
 file's tests between them when one runs out of work: an expensive fixture (a sweep that
 trains three runs) then ran twice. `shared(name, make)` runs `make(directory)` in the
-first process of the run that asks for `name`; the others wait for it and get the same
-directory and what `make` returned.
+first process of the run that asks for `name` (again in the next one to ask, if it
+failed); the others wait for it and get the same directory and an unpickled copy of
+what `make` returned. It lives in the run's directory, which the run removes at its end.
 """
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ import pathlib
 import pickle
 import shutil
 
+RUN_DIR = "FP8JAX_TEST_RUN_DIR"   # made by tests/conftest.py for each run
 _DONE = "result.pickle"
 
 
 def shared(name: str, make):
   """`(directory, make(directory))`, made once in this test run's directory."""
-  root = pathlib.Path(os.environ["FP8JAX_TEST_RUN_DIR"]) / "shared"
+  run_dir = os.environ.get(RUN_DIR)
+  if not run_dir:
+    raise RuntimeError(f"{RUN_DIR} is not set: run the tests with pytest, whose "
+                       "tests/conftest.py makes the run's directory.")
+  root = pathlib.Path(run_dir) / "shared"
   root.mkdir(exist_ok=True)
   place = root / name
   with open(root / f"{name}.lock", "w") as lock:

@@ -1,9 +1,10 @@
 """`fp8jax sweep`: the grid, the runs it trains, sweep.json, the plots and the user errors.
 
 One small sweep (the tiny model, 8 steps of 4 x 32 tokens) runs through the
-function and again, with the same settings, through the command line: runs that
-agree on the model, recipe and optimizer share their compiled steps
-(`fp8jax.runs.steps`), so the second costs only its steps.
+function, once per test run (tests/run_once.py), and again, with the same settings,
+through the command line: the same programs compiled from the same settings give the
+same losses, and in the process that ran the first sweep the second reuses its compiled
+steps (`fp8jax.runs.steps`).
 """
 from __future__ import annotations
 

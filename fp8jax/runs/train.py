@@ -200,10 +200,11 @@ def _stop_on_ctrl_c():
 def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
           stop_requested, telemetry_every) -> RunResult:
   # A fresh state comes out of jit uncommitted and a restored one committed to its
-  # device, and jit compiles a step once for each: committed alike, a resumed run reuses
-  # the programs compiled for a fresh one in the same process (compiled_steps).
-  device = next(iter(jax.tree.leaves(state)[0].devices()))
-  params, opt_state, fp8_state = jax.device_put(state, device)
+  # device, and jit compiles a step once for each: committed alike where each array
+  # already is (no copy), a resumed run reuses the programs compiled for a fresh one in
+  # the same process (compiled_steps).
+  params, opt_state, fp8_state = jax.device_put(state, jax.tree.map(lambda x: x.sharding,
+                                                                    state))
   model, _, schedule = build(config)
   train_step, eval_step = compiled_steps(config)
   fp8 = config.recipe_object is not None
