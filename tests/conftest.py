@@ -1,10 +1,13 @@
 """Test defaults: CPU only, unless the environment says otherwise; one scratch directory per run."""
+import gc
 import os
 import shutil
 import tempfile
 import warnings
 
 import pytest
+
+from run_once import RUN_DIR
 
 # Before jax is imported anywhere: tests run on the CPU backend; deviceless H100
 # compiles do not need a GPU backend.
@@ -19,9 +22,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # producer and consumer warpgroups with room to spare.
 os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 
-# A directory for the whole run: the pytest-xdist workers and the processes tests start
-# inherit it (FP8JAX_TEST_RUN_DIR in their environment), and the process that made it removes it.
-RUN_DIR = "FP8JAX_TEST_RUN_DIR"
+# A directory for the whole run (`RUN_DIR`, from run_once.py, which uses it): the
+# pytest-xdist workers and the processes tests start inherit it in their environment,
+# and the process that made it removes it.
 _MADE_RUN_DIR = pytest.StashKey[str]()
 
 
@@ -66,7 +69,6 @@ def _jax_caches_cleared_after_each_file():
   the run's persistent compilation cache.
   """
   yield
-  import gc
   import jax
   jax.clear_caches()
   gc.collect()

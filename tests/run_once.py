@@ -15,7 +15,8 @@ import pathlib
 import pickle
 import shutil
 
-RUN_DIR = "FP8JAX_TEST_RUN_DIR"   # made by tests/conftest.py for each run
+# The run's directory, which tests/conftest.py makes for each run (its processes inherit it).
+RUN_DIR = "FP8JAX_TEST_RUN_DIR"
 _DONE = "result.pickle"
 
 
