@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 
 FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '(\w+)'")
 _optimizing = [False]
 
 
@@ -46,6 +48,7 @@ def install() -> bool:
   signature = inspect.signature(original)
   if not {"env_options_overrides", "backend"} <= set(signature.parameters):
     return False
+  fast = known_options(FAST_CPU_OPTIONS)
 
   @functools.wraps(original)
   def get_compile_options(*args, **kwargs):
@@ -53,9 +56,29 @@ def install() -> bool:
     backend = bound.arguments.get("backend")
     if getattr(backend, "platform", None) == "cpu" and not _optimizing[-1]:
       overrides = dict(bound.arguments.get("env_options_overrides") or {})
-      bound.arguments["env_options_overrides"] = {**FAST_CPU_OPTIONS, **overrides}
+      bound.arguments["env_options_overrides"] = {**fast, **overrides}
     return original(*bound.args, **bound.kwargs)
 
   get_compile_options.fast_cpu = True
   compiler.get_compile_options = get_compile_options
   return True
+
+
+def known_options(options: dict) -> dict:
+  """The options this XLA knows: each one it names as unknown is dropped (JAX 0.11's
+  XLA no longer has `xla_cpu_use_fusion_emitters`, and refuses every compile given it)."""
+  import jax
+  import jax.numpy as jnp
+  known = dict(options)
+  with jax.default_device(jax.devices("cpu")[0]):
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.float32(1))
+  while known:
+    try:
+      lowered.compile(known)
+      return known
+    except Exception as error:  # noqa: BLE001 - XLA's errors have no narrower type
+      unknown = _UNKNOWN_OPTION.search(str(error))
+      if unknown is None or unknown.group(1) not in known:
+        raise
+      del known[unknown.group(1)]
+  return known
