@@ -258,10 +258,14 @@ def launch(cta: Callable, inputs: dict[str, jax.Array], scratch: dict, out_type,
     pl.run_scoped(lambda **allocated: cta(named, types.SimpleNamespace(**allocated), target),
                   collective_axes="wg", **scratch)
 
+  # Lane semantics, named: the kernels are written (and their PTX proved) in it, and
+  # JAX 0.11 made Warpgroup semantics the default, which rejects their implicit
+  # broadcasts (first seen on an H200 with jax 0.11.2).
+  lane = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with jax.named_scope(name):
     return plgpu.kernel(entry, out_type=out_type, grid=(num_ctas,), grid_names=("sm",),
                         num_threads=COMPUTE_WGS + 1, thread_name="wg",
-                        interpret=params)(*inputs.values())
+                        compiler_params=lane, interpret=params)(*inputs.values())
 
 
 def persistent_ring(s, work, stages: int, *, consume: Callable, produce: Callable) -> None:
