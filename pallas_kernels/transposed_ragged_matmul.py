@@ -60,7 +60,7 @@ _FN = "transposed_ragged_matmul"
 @dataclasses.dataclass(frozen=True)
 class _Problem:
   """Static shape of one call (hashable)."""
-  tokens: int       # M, padded to at least one token block (see transposed_ragged_matmul)
+  tokens: int       # M, padded to whole token blocks (see transposed_ragged_matmul)
   ka: int
   nb: int
   groups: int
@@ -233,11 +233,12 @@ def transposed_ragged_matmul(
   check_multiple(_FN, "M", m, 16, f"a TMA row stride is a multiple of 16 bytes: pad the token "
                  f"axis of a_t and b_t with zero columns up to {cdiv(m, 16) * 16} (tokens past "
                  "sum(group_sizes) belong to no group).")
-  # Compiled, TMA fills the tokens of the last block past M with zeros. The CPU
-  # interpreter raises on those reads instead, so it gets the token axis padded to whole
-  # blocks (zeros: what TMA reads). A TMA box may not exceed the array, so one block is
-  # the minimum either way.
-  tokens = cdiv(m, STEP) * STEP if interpret else max(m, STEP)
+  # The token axis is padded with zeros to whole 128-token blocks (tokens past
+  # sum(group_sizes) belong to no group). Mosaic GPU in JAX 0.11 refuses a TMA copy over
+  # a dimension that is not a whole number of its 128-wide tiles (seen on an H200 with
+  # jax 0.11.2; JAX 0.10 had TMA fill the last block's missing tokens with zeros), and
+  # the CPU interpreter raises on reads past the array.
+  tokens = cdiv(m, STEP) * STEP
   items = g * (ka // bm) * (nb // bn)
   problem = _Problem(tokens=tokens, ka=ka, nb=nb, groups=g, scale_mode=scale_mode,
                      out_dtype=jnp.dtype(out_dtype), blocks=block_sizes,
