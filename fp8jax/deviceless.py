@@ -11,6 +11,7 @@ the deviceless topology does not need the CUDA backend to be initialized.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.resources
@@ -153,7 +154,24 @@ def compile_for_h100(fn: Callable, *args, compiler_options: dict | None = None,
   # (`fp8jax.mesh.target`), not for this process's CPU.
   with jax.set_mesh(_mesh_of(specs)):
     lowered = jitted(fn, static_argnums).lower(*specs)
-  return lowered.compile(compiler_options=options)
+  with _not_written_to_persistent_cache():
+    return lowered.compile(compiler_options=options)
+
+
+@contextlib.contextmanager
+def _not_written_to_persistent_cache():
+  """Compiles within it are not written to JAX's persistent compilation cache (where one
+  is set, e.g. by JAX_COMPILATION_CACHE_DIR). A deviceless executable cannot be read back
+  from it: deserializing needs a GPU client, so JAX warns and compiles again, and the
+  entry was time and disk spent for nothing."""
+  try:  # JAX's own per-thread setting: other threads' compiles are not affected
+    from jax._src import config as jax_config
+    setting = jax_config.persistent_cache_min_compile_time_secs
+  except (ImportError, AttributeError):  # another JAX: the entry is written, as before
+    yield
+    return
+  with setting(float("inf")):
+    yield
 
 
 def jitted(fn: Callable, static_argnums=()):
