@@ -31,14 +31,25 @@ _MADE_RUN_DIR = pytest.StashKey[str]()
 def pytest_configure(config):
   # The first process of a run (the xdist controller, or the only one) makes it, before
   # any worker starts and before jax is imported.
-  if os.environ.get(RUN_DIR):
-    return
-  run_dir = tempfile.mkdtemp(prefix="fp8jax-test-run-")
-  os.environ[RUN_DIR] = run_dir
-  config.stash[_MADE_RUN_DIR] = run_dir
-  # JAX's persistent compilation cache, within this run only: a program compiled by one
-  # worker or test subprocess (the demo GPT's steps, the CLI runs) is loaded by the others.
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(run_dir, "jax_cache"))
+  if not os.environ.get(RUN_DIR):
+    run_dir = tempfile.mkdtemp(prefix="fp8jax-test-run-")
+    os.environ[RUN_DIR] = run_dir
+    config.stash[_MADE_RUN_DIR] = run_dir
+    # JAX's persistent compilation cache, within this run only: a program compiled by one
+    # worker or test subprocess (the demo GPT's steps, the CLI runs), or by an earlier
+    # test file of the same worker (whose in-memory caches are dropped after each file),
+    # is loaded instead. Every program is written, not only those that took 1 s (JAX's
+    # default): the seven files that train the tiny GPT took 3m27s instead of 3m51s.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(run_dir, "jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  # Every test process has 8 CPU devices, so the mesh tests (multidevice.py) run in the
+  # workers beside the others instead of in an 8-device process per file. Set here, after
+  # the environment above and before any backend starts; processes the tests start keep
+  # one device unless they ask for more. An XLA_FLAGS device count of the caller's wins.
+  import jax
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    from multidevice import N_DEVICES
+    jax.config.update("jax_num_cpu_devices", N_DEVICES)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -93,8 +104,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_sessionstart(session):
-  # Every process of a run (each worker, each 8-device subprocess) compiles its CPU
-  # programs for compile time (cpu_compile_fast.py) before it collects the tests;
+  # Every process of a run (each worker, each pytest subprocess a test starts) compiles
+  # its CPU programs for compile time (cpu_compile_fast.py) before it collects the tests;
   # FP8JAX_TEST_CPU_DEFAULT_COMPILE=1 keeps XLA's defaults, to compare.
   if os.environ.get("FP8JAX_TEST_CPU_DEFAULT_COMPILE") != "1":
     import cpu_compile_fast
@@ -102,8 +113,15 @@ def pytest_sessionstart(session):
       warnings.warn("this JAX's compile options are not the form tests/cpu_compile_fast.py "
                     "knows: CPU programs compile with XLA's defaults (about twice as slow)")
   # In CI the deviceless H100 tests must run, not skip: a missing 'hopper' extra
-  # would otherwise turn every lowering and PTX proof into a silent skip.
+  # would otherwise turn every lowering and PTX proof into a silent skip. So must the
+  # mesh tests, which skip in a process with fewer than 8 devices.
   if os.environ.get("CI"):
+    import jax
+    from multidevice import N_DEVICES
+    if jax.device_count() < N_DEVICES and "xla_force_host_platform_device_count" not in (
+        os.environ.get("XLA_FLAGS", "")):
+      raise RuntimeError(f"CI must run the mesh tests, but this process has "
+                         f"{jax.device_count()} devices, not {N_DEVICES}")
     from fp8jax.deviceless import deviceless_toolchain_missing
     missing = deviceless_toolchain_missing()
     if missing:

@@ -2,7 +2,7 @@
 
 Reference: the same MoE layer on one device (the global batch, all experts), as
 fp8_ragged_dot computes it (for a per-block recipe, with the rows rounded to their FP8
-tiles as the dispatch delivers them). On 8 CPU devices (a subprocess; tests/multidevice.py) the
+tiles as the dispatch delivers them). On 8 CPU devices (tests/multidevice.py) the
 dispatch is a padded all_to_all with the same result as the GPU's ragged_all_to_all; a
 deviceless 8 x H100 compile (test_ragged_dot_lowering.py) shows what the GPUs run.
 """
@@ -18,13 +18,9 @@ import fp8jax
 from fp8jax.core.blocks import dequantize_blocks
 from fp8jax.core.meta import record_amax
 from fp8jax.ops import expert_parallel, moe_routing
-from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
+from multidevice import N_DEVICES, multidevice
 
 D, HIDDEN, E, TOP_K, TOKENS_PER_DEVICE = 128, 256, 16, 2, 48  # 2 experts per device
-
-
-def test_expert_parallel_tests_in_8_device_subprocess():
-  run_mesh_tests_in_subprocess(__file__, n_mesh_tests=4)
 
 
 def _problem():

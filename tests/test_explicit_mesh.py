@@ -4,10 +4,7 @@ On such a mesh an array's sharding is part of its type, and JAX refuses a
 contraction over a split dimension unless told where the product lives: the
 wgrad GEMM of data parallelism contracts the batch, split over "data".
 
-The mesh tests need 8 (host) devices, which JAX fixes when it starts, so the
-normal 1-device run launches this file again in a subprocess with
-`--xla_force_host_platform_device_count=8` (as tests/test_sharding.py does);
-there the mesh tests run and the launcher skips.
+The mesh tests run on the 8 CPU devices every test process has (tests/multidevice.py).
 
 What "the same" means, and why:
 * Every tensor whose amax the FP8 state records (x, kernel, the hidden
@@ -37,13 +34,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fp8jax
-from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
-
-N_MESH_TESTS = 9
-
-
-def test_explicit_mesh_tests_in_8_device_subprocess():
-  run_mesh_tests_in_subprocess(__file__, N_MESH_TESTS)
+from multidevice import N_DEVICES, multidevice
 
 
 B, K, H, N = 32, 16, 32, 8

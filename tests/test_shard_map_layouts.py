@@ -11,9 +11,8 @@ and fp8jax sees them while it traces:
   of a split contraction are per shard (a warning names the recipe and plain jit).
 
 Each test checks the message and that the layout it names really changes the
-numbers (or, where fp8jax reduces, that nothing is said). Like tests/test_sharding.py
-the mesh tests need 8 host devices, so the 1-device run launches this file again
-with `--xla_force_host_platform_device_count=8`.
+numbers (or, where fp8jax reduces, that nothing is said). The mesh tests run on the 8
+CPU devices every test process has (tests/multidevice.py).
 """
 from __future__ import annotations
 
@@ -26,13 +25,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp8jax
-from multidevice import N_DEVICES, multidevice, run_mesh_tests_in_subprocess
-
-N_MESH_TESTS = 14
-
-
-def test_mesh_tests_in_8_device_subprocess():
-  run_mesh_tests_in_subprocess(__file__, N_MESH_TESTS)
+from multidevice import N_DEVICES, multidevice
 
 
 B, K, N = 32, 16, 8

@@ -1,9 +1,6 @@
 """FP8 training on an 8-device mesh gives the one-device FP8 state: amaxes are global.
 
-The mesh tests need 8 (host) devices, which JAX fixes when it starts, so the
-normal 1-device run launches this file again in a subprocess with
-`--xla_force_host_platform_device_count=8` (test_mesh_tests_in_8_device_subprocess);
-there the mesh tests run and the launcher skips.
+The mesh tests run on the 8 CPU devices every test process has (tests/multidevice.py).
 
 What "the same" means, and why:
 * A max does not depend on reduction order, so the amax of a tensor is exact
@@ -32,10 +29,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp8jax
-from multidevice import multidevice, run_mesh_tests_in_subprocess
-
-def test_mesh_tests_in_8_device_subprocess():
-  run_mesh_tests_in_subprocess(__file__, 15)
+from multidevice import multidevice
 
 
 # A two-layer MLP in the Megatron layout: layer 1 column-parallel (kernel split
