@@ -2,9 +2,16 @@
 import json
 
 import numpy as np
+import pytest
 
 import examples.train_mlp as train_mlp
-from benchmarks import dense
+from benchmarks import dense, gpu_check
+
+# The GPU check's smoke run in three parts, each a test of its own (of about 12, 17 and
+# 18 s) so the suite's workers share them; together they are every section.
+SMOKE_PARTS = {"kernels": ("tests", "dense", "grouped_gemm", "attention"),
+               "gpt": ("gpt", "demo"), "moe_gpt": ("moe_gpt",)}
+SECTION_FILES = {"tests": "gpu_tests", "demo": "demo_compare"}
 
 
 def test_train_mlp_example_learns_in_bf16_and_fp8(tmp_path):
@@ -32,53 +39,69 @@ def test_dense_benchmark_smoke_writes_json(tmp_path):
       assert row[f"{name}_in_loop"]["median_s"] > 0 and row["loop_steps"] == 2
 
 
-def test_gpu_check_smoke_runs_every_section_and_writes_its_json(tmp_path):
-  """`python -m benchmarks.gpu_check --smoke`: the one-call GPU check on CPU, tiny shapes."""
-  from benchmarks import gpu_check
-  code = gpu_check.main(["--smoke", "--out", str(tmp_path)])
+def test_the_smoke_parts_are_every_section_of_the_gpu_check_once():
+  sections = [name for part in SMOKE_PARTS.values() for name in part]
+  assert sorted(sections) == sorted(gpu_check.SECTIONS)
+
+
+@pytest.mark.parametrize("part", sorted(SMOKE_PARTS))
+def test_gpu_check_smoke_runs_its_sections_and_writes_their_json(part, tmp_path):
+  """`python -m benchmarks.gpu_check --smoke --sections ...`: the one-call GPU check on
+  CPU, tiny shapes, one part of its sections."""
+  sections = SMOKE_PARTS[part]
+  code = gpu_check.main(["--smoke", "--sections", ",".join(sections), "--out", str(tmp_path)])
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert code == 0, summary["failed"]
   assert {name: s["status"] for name, s in summary["sections"].items()} == {
-      name: "ok" for name in ("tests", "dense", "grouped_gemm", "attention", "gpt", "moe_gpt",
-                              "demo")}
-  for name in ("gpu_tests", "dense", "grouped_gemm", "attention", "gpt", "moe_gpt",
-               "demo_compare", "attention_speeds"):
-    assert (tmp_path / f"{name}.json").exists(), name
-  # On a CPU every GPU test is collected and skipped (none may fail or error), the grouped
-  # FP8 GEMMs' among them; skipped is not validated.
-  tests = json.loads((tmp_path / "gpu_tests.json").read_text())
-  assert tests["skipped"] > 0 and tests["failed"] == 0 and tests["passed"] == 0
-  # The dense benchmark's speedups over bf16 for both recipes, per size.
-  for by_recipe in summary["highlights"]["dense_fp8_speedup"].values():
-    assert {recipe: sorted(row) for recipe, row in by_recipe.items()} == {
-        "delayed": ["in_loop", "wall"], "current": ["in_loop", "wall"]}, by_recipe
-  grouped_tests = summary["highlights"]["grouped_gemm_gpu_tests"]
-  assert set(grouped_tests["outcomes"].values()) == {"skipped"}, grouped_tests
-  assert not grouped_tests["all_passed"]
-  # The grouped GEMM rows: the FP8 kernels' jnp twins and XLA's ragged_dot on a CPU, each
-  # with its speedup over the best bf16 row that ran and its verdict against the targets.
-  (row,) = summary["highlights"]["grouped_gemm"].values()
-  assert row["best_bf16"] == "xla_bf16" and row["fp8_tensor"] > 0 and row["fp8_block"] > 0
-  assert isinstance(row["fp8_tensor_meets_target"], bool), row
-  # Each attention row has numbers and numerics, or says why it cannot run here.
-  for result in json.loads((tmp_path / "attention.json").read_text())["results"]:
-    rows = result["implementations"]
-    assert rows["bf16/xla"]["numerics_ok"] and rows["fp8/xla"]["numerics_ok"], rows
-    assert "GPU" in rows["bf16/cudnn"]["skipped"]
-    assert "Hopper" in rows["fp8/pallas_hopper_fp8"]["skipped"] or "GPU" in (
-        rows["fp8/pallas_hopper_fp8"]["skipped"])
-  # Unvalidated (no GPU test ran): the Hopper kernels never enter the selection table.
-  table = json.loads((tmp_path / "attention_speeds.json").read_text())
-  assert all(not entry["validated"] for masks in table.values() for by_precision in masks.values()
-             for rows in by_precision.values() for name, entry in rows.items()
-             if name.startswith("pallas_hopper"))
-  gpt = json.loads((tmp_path / "gpt.json").read_text())["results"]
-  assert all(row["tokens_per_s"] > 0 for row in gpt["rows"])
-  # The MoE GPT's rows, bf16 and FP8, each with its speed and its step's memory.
-  moe = json.loads((tmp_path / "moe_gpt.json").read_text())["results"]
-  assert moe["experts"] == 4 and [row["recipe"] for row in moe["rows"]] == ["bf16", "delayed"]
-  assert all(row["tokens_per_s"] > 0 and row["memory"]["total"] > 0 for row in moe["rows"])
-  assert set(summary["highlights"]["moe_gpt"]["memory_gib"]) == {"bf16/xla", "delayed/xla"}
+      name: "ok" for name in sections}
+  for name in sections:
+    assert (tmp_path / f"{SECTION_FILES.get(name, name)}.json").exists(), name
+  if "tests" in sections:
+    # On a CPU every GPU test is collected and skipped (none may fail or error), the
+    # grouped FP8 GEMMs' among them; skipped is not validated.
+    tests = json.loads((tmp_path / "gpu_tests.json").read_text())
+    assert tests["skipped"] > 0 and tests["failed"] == 0 and tests["passed"] == 0
+    grouped_tests = summary["highlights"]["grouped_gemm_gpu_tests"]
+    assert set(grouped_tests["outcomes"].values()) == {"skipped"}, grouped_tests
+    assert not grouped_tests["all_passed"]
+  if "dense" in sections:
+    # The dense benchmark's speedups over bf16 for both recipes, per size.
+    for by_recipe in summary["highlights"]["dense_fp8_speedup"].values():
+      assert {recipe: sorted(row) for recipe, row in by_recipe.items()} == {
+          "delayed": ["in_loop", "wall"], "current": ["in_loop", "wall"]}, by_recipe
+  if "grouped_gemm" in sections:
+    # The grouped GEMM rows: the FP8 kernels' jnp twins and XLA's ragged_dot on a CPU,
+    # each with its speedup over the best bf16 row that ran and its verdict against the
+    # targets.
+    (row,) = summary["highlights"]["grouped_gemm"].values()
+    assert row["best_bf16"] == "xla_bf16" and row["fp8_tensor"] > 0 and row["fp8_block"] > 0
+    assert isinstance(row["fp8_tensor_meets_target"], bool), row
+  if "attention" in sections:
+    # Each attention row has numbers and numerics, or says why it cannot run here.
+    for result in json.loads((tmp_path / "attention.json").read_text())["results"]:
+      rows = result["implementations"]
+      assert rows["bf16/xla"]["numerics_ok"] and rows["fp8/xla"]["numerics_ok"], rows
+      assert "GPU" in rows["bf16/cudnn"]["skipped"]
+      assert "Hopper" in rows["fp8/pallas_hopper_fp8"]["skipped"] or "GPU" in (
+          rows["fp8/pallas_hopper_fp8"]["skipped"])
+    # Unvalidated (no GPU test ran): the Hopper kernels never enter the selection table.
+    table = json.loads((tmp_path / "attention_speeds.json").read_text())
+    assert all(not entry["validated"] for masks in table.values()
+               for by_precision in masks.values() for rows in by_precision.values()
+               for name, entry in rows.items() if name.startswith("pallas_hopper"))
+  if "gpt" in sections:
+    gpt = json.loads((tmp_path / "gpt.json").read_text())["results"]
+    assert all(row["tokens_per_s"] > 0 for row in gpt["rows"])
+  if "demo" in sections:
+    demo = json.loads((tmp_path / "demo_compare.json").read_text())
+    assert demo["exit_code"] == 0
+    assert [run["recipe"] for run in demo["runs"]] == ["bf16", "delayed"]
+  if "moe_gpt" in sections:
+    # The MoE GPT's rows, bf16 and FP8, each with its speed and its step's memory.
+    moe = json.loads((tmp_path / "moe_gpt.json").read_text())["results"]
+    assert moe["experts"] == 4 and [row["recipe"] for row in moe["rows"]] == ["bf16", "delayed"]
+    assert all(row["tokens_per_s"] > 0 and row["memory"]["total"] > 0 for row in moe["rows"])
+    assert set(summary["highlights"]["moe_gpt"]["memory_gib"]) == {"bf16/xla", "delayed/xla"}
 
 
 def test_gpu_check_times_the_fp8_grouped_kernels_only_after_their_gpu_tests_passed():
