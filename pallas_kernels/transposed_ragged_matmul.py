@@ -230,9 +230,8 @@ def transposed_ragged_matmul(
                  "slice the output.")
   check_multiple(_FN, "Nb", nb, bn, f"pad b_t with zero rows up to {cdiv(nb, bn) * bn} and "
                  "slice the output, or pick a block_n that divides Nb.")
-  check_multiple(_FN, "M", m, 16, f"a TMA row stride is a multiple of 16 bytes: pad the token "
-                 f"axis of a_t and b_t with zero columns up to {cdiv(m, 16) * 16} (tokens past "
-                 "sum(group_sizes) belong to no group).")
+  check_multiple(_FN, "M", m, 16, f"pad the token axis of a_t and b_t with zero columns up "
+                 f"to {cdiv(m, 16) * 16} (tokens past sum(group_sizes) belong to no group).")
   # The token axis is padded with zeros to whole 128-token blocks (tokens past
   # sum(group_sizes) belong to no group). Mosaic GPU in JAX 0.11 refuses a TMA copy over
   # a dimension that is not a whole number of its 128-wide tiles (seen on an H200 with

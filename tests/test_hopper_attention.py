@@ -61,12 +61,13 @@ def _reference(q, k, v, g, sm, causal, q_ids, kv_ids):
   return (o, lse2) + grads, abs_terms, per_kv_head
 
 
-def _bounds(want, terms, per_kv_head, sm, p_rounding, p_floor=0.0, dp_err=0.0):
+def _bounds(want, terms, per_kv_head, sm, p_rounding, p_floor=0.0, dp_err=0.0, ds_rounding=BF16):
   """Per-element bounds for (o, dq, dk, dv).
 
   P is rounded before P V and P^T dO, by `p_rounding` relative and, below the format's
   normal range, by up to `p_floor` absolute (per visible query and key); `dp_err` is the
-  error of dP = dO V^T beyond float32's (per query and key)."""
+  error of dP = dO V^T beyond float32's (per query and key), `ds_rounding` dS's relative
+  error before dS K and dS^T Q."""
   o, dq, dk, dv = want
   p_err = p_rounding * terms["p"] + p_floor * terms["visible"]
   pv_err = np.einsum("bhqk,bkhd->bqhd", p_err, terms["abs_v"])
@@ -74,7 +75,7 @@ def _bounds(want, terms, per_kv_head, sm, p_rounding, p_floor=0.0, dp_err=0.0):
   # P V, then bf16); dS is rounded to bf16 for dS K and dS^T Q.
   delta_err = (np.einsum("bqhd,bqhd->bhq", terms["abs_g"], pv_err)[..., None]
                + BF16 * terms["g_abs_o"])
-  ds_err = BF16 * terms["ds_abs"] + terms["p"] * (delta_err + dp_err)
+  ds_err = ds_rounding * terms["ds_abs"] + terms["p"] * (delta_err + dp_err)
   return (
       pv_err + BF16 * np.abs(o) + 1e-6,
       sm * np.einsum("bhqk,bkhd->bqhd", ds_err, terms["abs_k"]) + BF16 * np.abs(dq) + 1e-6,
@@ -179,10 +180,10 @@ def _run_fp8(shape, causal, segmented, interpret, device=None):
   # Where P * 256 is below E4M3's normal range (2**-6) the rounding is absolute: half
   # its subnormal step, 2**-10, so 2**-18 in P (seen on an H200 at a key only one query
   # sees, where P * 256 was 0.0012).
-  p_rounding, dp_err, lse2_err = E4M3 + 2.0**-10, 0.0, 0.0
+  p_rounding, dp_err, ds_rounding, lse2_err = E4M3 + 2.0**-10, 0.0, BF16, 0.0
   if device is not None:
-    p_rounding, dp_err, lse2_err = _fp8_accumulator_errors(*f64, sm, p_rounding)
-  bounds = _bounds(want, terms, per_kv_head, sm, p_rounding, 2.0**-18, dp_err)
+    p_rounding, dp_err, ds_rounding, lse2_err = _fp8_accumulator_errors(*f64, sm, p_rounding)
+  bounds = _bounds(want, terms, per_kv_head, sm, p_rounding, 2.0**-18, dp_err, ds_rounding)
   for name, a, w, bnd in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want, bounds):
     _assert_within(name, a, w, bnd)
   # The kernel takes the amax before the output's bf16 rounding (2**-9 relative).
@@ -198,14 +199,15 @@ def _run_fp8(shape, causal, segmented, interpret, device=None):
 
 
 def _fp8_accumulator_errors(q, k, v, g, sm, p_rounding):
-  """(p_rounding, dp_err, lse2_err) for the compiled FP8 kernels on a Hopper GPU.
+  """(p_rounding, dp_err, ds_rounding, lse2_err) for the compiled FP8 kernels on a Hopper GPU.
 
   Its FP8 wgmma sums products in fewer bits than float32 (about 14, DeepSeek-V3
   reports); as in test_ragged_matmul.py, each k32 instruction chained is allowed one
   rounding of 2**-13 of the sum of |terms|. So the logits S = Q K^T (depth head_dim) are
   off by up to s_err per query, the log-sum-exp as much (lse2 is in base 2), and
-  P = exp(S - lse) by 2 * s_err relative; P V and P^T dO chain over the sequence, and
-  dP = dO V^T over head_dim. A wrong tile or mask is still off by O(|value|)."""
+  P = exp(S - lse) by 2 * s_err relative (so is dS = P (dP - delta), which the backward
+  computes from P again); P V and P^T dO chain over the sequence, and dP = dO V^T over
+  head_dim. A wrong tile or mask is still off by O(|value|)."""
   head_dim, group = q.shape[-1], q.shape[2] // k.shape[2]
   kr, vr = np.repeat(k, group, 2), np.repeat(v, group, 2)
 
@@ -215,7 +217,7 @@ def _fp8_accumulator_errors(q, k, v, g, sm, p_rounding):
   sequence = max(q.shape[1], k.shape[1])
   p_rounding = p_rounding + 2 * s_err.max() + chained(sequence)
   dp_err = chained(head_dim) * np.einsum("bqhd,bkhd->bhqk", np.abs(g), np.abs(vr))
-  return p_rounding, dp_err, s_err / np.log(2.0)
+  return p_rounding, dp_err, BF16 + 2 * s_err.max(), s_err / np.log(2.0)
 
 
 # (batch, q_len, kv_len, heads, kv_heads, head_dim), causal, segment ids
