@@ -47,9 +47,13 @@ def pytest_configure(config):
   # the environment above and before any backend starts; processes the tests start keep
   # one device unless they ask for more. An XLA_FLAGS device count of the caller's wins.
   import jax
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  if not _caller_sets_device_count():
     from multidevice import N_DEVICES
     jax.config.update("jax_num_cpu_devices", N_DEVICES)
+
+
+def _caller_sets_device_count() -> bool:
+  return "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -118,8 +122,7 @@ def pytest_sessionstart(session):
   if os.environ.get("CI"):
     import jax
     from multidevice import N_DEVICES
-    if jax.device_count() < N_DEVICES and "xla_force_host_platform_device_count" not in (
-        os.environ.get("XLA_FLAGS", "")):
+    if jax.device_count() < N_DEVICES and not _caller_sets_device_count():
       raise RuntimeError(f"CI must run the mesh tests, but this process has "
                          f"{jax.device_count()} devices, not {N_DEVICES}")
     from fp8jax.deviceless import deviceless_toolchain_missing
