@@ -541,18 +541,25 @@ def restore(directory: str | os.PathLike, *, params: Any, opt_state: Any, fp8_st
 def _read_arrays(ocp, path: pathlib.Path, abstract: dict, directory) -> dict:
   """orbax's restore of the arrays into `abstract`; damaged files raise CheckpointCorrupted."""
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  # Installed before the read, not after a failure: a read that tensorstore finishes after
+  # orbax closed its event loop can report "Event loop is closed" before the failure
+  # reaches this function (under load).
+  _drop_echoes_of_failed_reads()
   try:
-    return checkpointer.restore(
+    arrays = checkpointer.restore(
         path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
   except Exception as error:  # orbax wraps some of tensorstore's errors in plain Exceptions
     damage = _damage_in(error)
     if damage is None:
+      _stop_dropping_echoes()
       raise  # e.g. a sharding that does not fit an array: its own message says what
     message = (f"Could not read the arrays of checkpoint {str(directory)!r} "
                f"({_arrays_named_in(damage, abstract)}): its files are missing, cut short or "
                f"corrupt: {_error_text(damage)}. {_DAMAGED}")
     _close_abandoned_reads(error)
     raise CheckpointCorrupted(message) from error
+  _stop_dropping_echoes()  # every read finished: nothing is left to echo
+  return arrays
 
 
 def _close_abandoned_reads(error: BaseException) -> None:
@@ -566,25 +573,29 @@ def _close_abandoned_reads(error: BaseException) -> None:
   interpreter exit: a thousand lines of tracebacks after fp8jax's one clear error. So
   the tracebacks of the chained errors are dropped (their messages stay), the
   coroutines are collected now, and from here on this process drops exactly those
-  echoes of a failed read (the same hook again at exit, should another library have
-  replaced it); every other unraisable exception and log record passes as before.
+  echoes of a failed read (the same hooks again at exit, should another library have
+  replaced them); every other unraisable exception and log record passes as before.
   """
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     error.__traceback__ = None
     error = error.__cause__ or error.__context__
-  _drop_echoes_of_failed_reads()
+  if not _echo_silencer["kept_at_exit"]:
+    _echo_silencer["kept_at_exit"] = True
+    atexit.register(_drop_echoes_of_failed_reads)
   gc.collect()
 
 
-# The hooks and log filter of `_drop_echoes_of_failed_reads`, once installed.
-_echo_silencer = {"unraisablehook": None, "excepthook": None, "filter": None}
+# The hooks (with the hooks they replaced) and log filter that drop the echoes of a failed
+# read, while installed; and whether a failed read keeps them to the process's exit.
+_echo_silencer = {"unraisablehook": None, "excepthook": None, "filter": None,
+                  "kept_at_exit": False}
 
 
 def _drop_echoes_of_failed_reads() -> None:
-  """Installs (once per process) the unraisable hook, exception hook and asyncio log filter
-  that drop the echoes of an abandoned read, and re-installs the hooks at exit."""
+  """Installs the unraisable hook, exception hook and asyncio log filter that drop the
+  echoes of an abandoned read (each once: a hook already there stays)."""
   _drop_echoes_in_hook("unraisablehook", lambda unraisable: unraisable.exc_value)
   # A read finishing in tensorstore's thread reports "Event loop is closed" through
   # sys.excepthook (PyErr_Print), not as unraisable: now and then, under load.
@@ -592,21 +603,36 @@ def _drop_echoes_of_failed_reads() -> None:
   if _echo_silencer["filter"] is None:
     _echo_silencer["filter"] = _EchoFilter()
     logging.getLogger("asyncio").addFilter(_echo_silencer["filter"])
-    atexit.register(_drop_echoes_of_failed_reads)
+
+
+def _stop_dropping_echoes() -> None:
+  """Puts back the hooks `_drop_echoes_of_failed_reads` replaced, unless a failed read in
+  this process keeps them (its abandoned reads can echo up to exit) or another library has
+  replaced them since (putting back would drop that library's hook)."""
+  if _echo_silencer["kept_at_exit"]:
+    return
+  for name in ("unraisablehook", "excepthook"):
+    installed = _echo_silencer[name]
+    if installed is not None and getattr(sys, name) is installed[0]:
+      setattr(sys, name, installed[1])
+      _echo_silencer[name] = None
+  if _echo_silencer["filter"] is not None:
+    logging.getLogger("asyncio").removeFilter(_echo_silencer["filter"])
+    _echo_silencer["filter"] = None
 
 
 def _drop_echoes_in_hook(name: str, exception_of) -> None:
   """Wraps `sys.<name>` (unless the wrapper is already there) to drop the echoes of a failed
   read and pass everything else to the hook it replaced; `exception_of(*hook_args)`."""
   previous = getattr(sys, name)
-  if previous is _echo_silencer[name]:
+  if _echo_silencer[name] is not None and previous is _echo_silencer[name][0]:
     return
 
   def hook(*args):
     if not _is_echo_of_failed_read(exception_of(*args)):
       previous(*args)
 
-  _echo_silencer[name] = hook
+  _echo_silencer[name] = (hook, previous)
   setattr(sys, name, hook)
 
 
