@@ -159,7 +159,7 @@ def parse_shape(text: str) -> tuple[tuple[ArrayShape, ...], bool]:
   """Parses 'f32[2,3]{1,0}' or a tuple '(f32[2]{0}, s8[4]{0})' into array shapes."""
   text = text.strip()
   if text.startswith("("):
-    parts = _split_top_level(text[1:-1], ",")
+    parts = _split_top_level(text[1:-1])
     shapes = []
     for part in parts:
       inner, _ = parse_shape(part)
@@ -201,14 +201,14 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
   operand_text = rest[open_paren + 1:close_paren]
   operands = []
   if opcode not in ("parameter", "constant"):
-    for item in _split_top_level(operand_text, ","):
+    for item in _split_top_level(operand_text):
       names = re.findall(r"%([\w\.\-]+)", item)
       if names:
         operands.append(names[-1])
       elif item.strip() and re.fullmatch(r"[\w\.\-]+", item.strip()):
         operands.append(item.strip())
   attributes = {"_operand_text": operand_text}
-  for item in _split_top_level(rest[close_paren + 1:], ","):
+  for item in _split_top_level(rest[close_paren + 1:]):
     key, eq, value = item.strip().partition("=")
     if eq:
       attributes[key.strip()] = value.strip().strip('"') if key.strip() in (
@@ -219,60 +219,38 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
 
 
 _OPEN = {"(": ")", "{": "}", "[": "]"}
+# What the bracket scanners stop at: a whole quoted string (escapes inside it skipped; a
+# custom call's backend_config can be megabytes), a bracket, or a comma. Everything else
+# is passed over by the regex engine, not character by character in Python.
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[(){}\[\],]')
 
 
 def _matching(text: str, start: int) -> int:
   """Index of the bracket closing the one at `start` (quotes are skipped)."""
-  depth, in_string = 0, False
-  i = start
-  while i < len(text):
-    ch = text[i]
-    if in_string:
-      if ch == "\\":
-        i += 2
-        continue
-      if ch == '"':
-        in_string = False
-    elif ch == '"':
-      in_string = True
-    elif ch in _OPEN:
+  depth = 0
+  for token in _TOKEN.finditer(text, start):
+    ch = token.group()
+    if ch in _OPEN:
       depth += 1
     elif ch in ")}]":
       depth -= 1
       if depth == 0:
-        return i
-    i += 1
+        return token.start()
   return len(text) - 1
 
 
-def _split_top_level(text: str, separator: str) -> list[str]:
-  parts, depth, in_string, current = [], 0, False, []
-  i = 0
-  while i < len(text):
-    ch = text[i]
-    if in_string:
-      current.append(ch)
-      if ch == "\\" and i + 1 < len(text):
-        current.append(text[i + 1])
-        i += 2
-        continue
-      if ch == '"':
-        in_string = False
-    elif ch == '"':
-      in_string = True
-      current.append(ch)
-    elif ch in _OPEN:
+def _split_top_level(text: str) -> list[str]:
+  """`text` split at each comma outside brackets and quotes."""
+  parts, depth, begin = [], 0, 0
+  for token in _TOKEN.finditer(text):
+    ch = token.group()
+    if ch in _OPEN:
       depth += 1
-      current.append(ch)
     elif ch in ")}]":
       depth -= 1
-      current.append(ch)
-    elif ch == separator and depth == 0:
-      parts.append("".join(current))
-      current = []
-    else:
-      current.append(ch)
-    i += 1
-  if "".join(current).strip():
-    parts.append("".join(current))
+    elif ch == "," and depth == 0:
+      parts.append(text[begin:token.start()])
+      begin = token.end()
+  if text[begin:].strip():
+    parts.append(text[begin:])
   return parts
