@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+import run_once
 from run_once import RUN_DIR
 
 # Before jax is imported anywhere: tests run on the CPU backend; deviceless H100
@@ -71,6 +72,25 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "hopper_device" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.gpu)
+  # The files whose tests share run-wide work (run_once.shared) run first. worksteal lets
+  # an idle worker take the end of the other's queue, so such a file there could be
+  # split, and the worker holding its later tests would wait, idle, while the other does
+  # the shared work (the sweep: 20 s, seen at the end of a run). Otherwise order is kept.
+  items.sort(key=lambda item: getattr(getattr(item, "module", None), "shared", None)
+             is not run_once.shared)
+
+
+def pytest_collection_finish(session):
+  # Python's cyclic garbage collector ran about 3,800 times in 70 s of tests and took
+  # 6 to 7 s of it (9%): each full pass walks the whole heap, most of it the modules
+  # imported at collection (jax, flax, every test file), which are never garbage. They
+  # are moved out of its view (gc.freeze), and a pass starts after 50,000 new objects
+  # instead of 700 (JAX makes tens of thousands per trace): 1.1 s in 635 passes, the same
+  # peak memory (1.1 GB), measured on 12 test files in one process. Each file still ends
+  # with a full collection (below).
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(50_000, 20, 100)
 
 
 @pytest.fixture(autouse=True, scope="module")
