@@ -138,21 +138,25 @@ def test_a_stand_in_is_chosen_only_where_the_gpu_would_run_cudnn():
 
 @pytest.fixture(scope="module")
 def small_gpt():
+  """{name: (program, measure(program))}: the small GPT's FP8 steps and bf16 twin, compiled
+  once for an H100 (three deviceless compiles, about 6 s each)."""
+  if _MISSING is not None:
+    pytest.skip(str(_MISSING))
   from fp8jax.runs.gpt_program import GptProgram, measure
 
-  fp8 = GptProgram(size="small", batch=8, seq=256, recipe="delayed", optimizer="adamw_fp8",
-                   saved_activations="fp8")
-  plain_fp8 = GptProgram(size="small", batch=8, seq=256, recipe="delayed")
-  bf16 = GptProgram(size="small", batch=8, seq=256, recipe="bf16")
-  return {name: measure(program) for name, program in
-          (("fp8", fp8), ("plain_fp8", plain_fp8), ("bf16", bf16))}
+  programs = {
+      "fp8": GptProgram(size="small", batch=8, seq=256, recipe="delayed",
+                        optimizer="adamw_fp8", saved_activations="fp8"),
+      "plain_fp8": GptProgram(size="small", batch=8, seq=256, recipe="delayed"),
+      "bf16": GptProgram(size="small", batch=8, seq=256, recipe="bf16")}
+  return {name: (program, measure(program)) for name, program in programs.items()}
 
 
 @pytest.mark.hopper
 def test_small_gpt_fp8_memory_features_shrink_arguments_and_total_as_at_1b(small_gpt):
   if _MISSING is not None:
     pytest.skip(str(_MISSING))
-  memory = {name: result[1] for name, result in small_gpt.items()}
+  memory = {name: result[1] for name, (_, result) in small_gpt.items()}
   # Arguments: fp32 params (4 B) + Adam moments (8 B in float32, ~2.1 B in FP8).
   assert memory["fp8"].arguments <= 0.55 * memory["bf16"].arguments
   assert memory["plain_fp8"].arguments >= 0.99 * memory["bf16"].arguments
@@ -164,7 +168,7 @@ def test_small_gpt_fp8_memory_features_shrink_arguments_and_total_as_at_1b(small
   for report in memory.values():
     assert report.outputs - report.aliased <= 1e-3 * report.outputs
   # Same attention kernel in both (the stand-in for cuDNN).
-  assert {result[2].name for result in small_gpt.values()} == {"pallas_hopper"}
+  assert {result[2].name for _, result in small_gpt.values()} == {"pallas_hopper"}
 
 
 def test_recorded_1b_figures_meet_the_memory_acceptance():
@@ -180,10 +184,25 @@ def test_recorded_1b_figures_meet_the_memory_acceptance():
 
 
 @pytest.mark.hopper
-def test_cost_gpt_prints_memory_beside_time_and_the_hopper_attention(capsys):
+def test_cost_gpt_prints_memory_beside_time_and_the_hopper_attention(small_gpt, capsys,
+                                                                      monkeypatch):
   if _MISSING is not None:
     pytest.skip(str(_MISSING))
-  assert main(["cost", "--gpt", "tiny", "--batch", "2", "--summary"]) == 0
+  from fp8jax.runs import gpt_program
+
+  # The command's two steps are the fixture's FP8 step (its defaults: FP8 moments, FP8
+  # saved activations) and bf16 twin: it is handed their compiled reports, and any other
+  # program it asked for would be a wrong default.
+  compiled = {program: result for program, result in small_gpt.values()}
+  asked = []
+
+  def measure(program, **kwargs):
+    asked.append(program)
+    return compiled[program]
+
+  monkeypatch.setattr(gpt_program, "measure", measure)
+  assert main(["cost", "--gpt", "small", "--summary"]) == 0
+  assert asked == [small_gpt["fp8"][0], small_gpt["bf16"][0]]
   out = capsys.readouterr().out
   assert "predicted speedup of delayed, adamw_fp8, fp8 saved over bf16, adamw" in out
   assert "FP8 / bf16" in out and "arguments" in out and "of 80 GiB" in out

@@ -34,8 +34,17 @@ SMALL = dict(size="tiny", steps=24, batch=8, seq=64, lr=3e-3, warmup_steps=5, ev
              eval_batches=2, max_data_bytes=400_000)
 
 
+# For what does not depend on how well the model learns (resuming, comparing, refusing):
+# a quarter of the tokens per step.
+QUICK = dict(SMALL, batch=4, seq=32)
+
+
 def _config(**changes):
   return runs.RunConfig(**{**SMALL, **changes})
+
+
+def _quick_config(**changes):
+  return runs.RunConfig(**{**QUICK, **changes})
 
 
 def _metric_lines(out_dir):
@@ -72,7 +81,7 @@ def test_loss_falls_and_every_step_is_recorded(recipe, tmp_path):
 
 
 def test_killed_and_resumed_run_gives_the_losses_of_an_uninterrupted_run(tmp_path):
-  config = _config(recipe="delayed", checkpoint_every=8)
+  config = _quick_config(recipe="delayed", checkpoint_every=8)
   whole = runs.train(config, tmp_path / "whole", progress=False)
   runs.train(config, tmp_path / "split", progress=False, stop_after=13)  # killed after 13
   assert checkpoint_dirs(tmp_path / "split")[-1].name == "step_0000008"
@@ -168,7 +177,7 @@ def test_calibration_changes_no_weight_and_fills_every_history(tmp_path):
 
 
 def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
-  report = runs.compare(_config(checkpoint_every=24), tmp_path,
+  report = runs.compare(_quick_config(checkpoint_every=24), tmp_path,
                         recipes=("bf16", "delayed", "current"), progress=False)
   saved = json.loads((tmp_path / "compare.json").read_text())
   assert saved == json.loads(json.dumps(report))
@@ -199,7 +208,7 @@ def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
                        progress=False, resume=True)
   assert again["runs"] == report["runs"] and again["config"] == report["config"]
   assert again["config"]["schedule_steps"] is None  # as the uninterrupted run wrote it
-  for changed, message in (({"batch": SMALL["batch"] * 2}, "batch="),
+  for changed, message in (({"batch": QUICK["batch"] * 2}, "batch="),
                            ({"steps": 12}, "finished at step 24")):
     with pytest.raises(runs.RunError, match=message):
       runs.compare(dataclasses.replace(saved_settings, **changed), tmp_path,
@@ -211,7 +220,7 @@ def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path
   import jaxlib
   import optax
   # The bf16 run alone: its compiled step is the one the comparison above used.
-  runs.compare(_config(checkpoint_every=24), tmp_path, recipes=("bf16",), progress=False)
+  runs.compare(_quick_config(checkpoint_every=24), tmp_path, recipes=("bf16",), progress=False)
   saved = json.loads((tmp_path / "compare.json").read_text())
   # Compared with what each imported module says of itself (compare.py asks the
   # installed distributions), so a name or a version read from the wrong place fails.
@@ -245,7 +254,7 @@ def test_data_that_is_empty_or_not_text_is_refused_in_one_line(content, message,
 
 
 def test_a_checkpoint_of_another_size_is_refused_in_one_line(tmp_path, capsys):
-  runs.train(_config(recipe="bf16", checkpoint_every=2), tmp_path / "tiny", progress=False,
+  runs.train(_quick_config(recipe="bf16", checkpoint_every=2), tmp_path / "tiny", progress=False,
              stop_after=2)
   status = main(["train", "--out", str(tmp_path / "tiny"), "--resume", "--size", "small",
                  "--steps", "4"])

@@ -331,7 +331,10 @@ def test_fp8_optimizer_state_is_sharded_like_the_params_and_steps_like_one_devic
   from fp8jax.models import gpt, gpt_sharding
   from fp8jax.runs.steps import make_optimizer, train_step_for
 
-  model = gpt.Gpt(gpt.config_for("tiny", seq_len=32), recipe=DELAYED)
+  # Two layers (the tiny demo's four, unrolled, compile twice as long): the layers stay a
+  # stacked axis of every weight and moment, as at any depth.
+  model = gpt.Gpt(gpt.config_for("tiny", seq_len=32, n_layers=2, scan_unroll=2),
+                  recipe=DELAYED)
   tx = make_optimizer("adamw_fp8", 1e-3, 0.1)
   tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, 256)
   variables = model.init(jax.random.key(0), tokens[:, :-1])
