@@ -544,21 +544,26 @@ def _read_arrays(ocp, path: pathlib.Path, abstract: dict, directory) -> dict:
   # Installed before the read, not after a failure: a read that tensorstore finishes after
   # orbax closed its event loop can report "Event loop is closed" before the failure
   # reaches this function (under load).
-  _drop_echoes_of_failed_reads()
+  _reading_starts()
   try:
     arrays = checkpointer.restore(
         path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
   except Exception as error:  # orbax wraps some of tensorstore's errors in plain Exceptions
     damage = _damage_in(error)
     if damage is None:
-      _stop_dropping_echoes()
+      _reading_ends(abandoned=False)
       raise  # e.g. a sharding that does not fit an array: its own message says what
-    message = (f"Could not read the arrays of checkpoint {str(directory)!r} "
-               f"({_arrays_named_in(damage, abstract)}): its files are missing, cut short or "
-               f"corrupt: {_error_text(damage)}. {_DAMAGED}")
-    _close_abandoned_reads(error)
+    try:
+      message = (f"Could not read the arrays of checkpoint {str(directory)!r} "
+                 f"({_arrays_named_in(damage, abstract)}): its files are missing, cut "
+                 f"short or corrupt: {_error_text(damage)}. {_DAMAGED}")
+    finally:
+      _close_abandoned_reads(error)
     raise CheckpointCorrupted(message) from error
-  _stop_dropping_echoes()  # every read finished: nothing is left to echo
+  except BaseException:  # interrupted (Ctrl-C): its other reads may still echo
+    _reading_ends(abandoned=True)
+    raise
+  _reading_ends(abandoned=False)  # every read finished: nothing is left to echo
   return arrays
 
 
@@ -581,16 +586,37 @@ def _close_abandoned_reads(error: BaseException) -> None:
     seen.add(id(error))
     error.__traceback__ = None
     error = error.__cause__ or error.__context__
-  if not _echo_silencer["kept_at_exit"]:
-    _echo_silencer["kept_at_exit"] = True
-    atexit.register(_drop_echoes_of_failed_reads)
+  _reading_ends(abandoned=True)
   gc.collect()
 
 
 # The hooks (with the hooks they replaced) and log filter that drop the echoes of a failed
-# read, while installed; and whether a failed read keeps them to the process's exit.
+# read, while installed; how many reads are running (in any thread); and whether a failed
+# read keeps the hooks to the process's exit.
 _echo_silencer = {"unraisablehook": None, "excepthook": None, "filter": None,
-                  "kept_at_exit": False}
+                  "reading": 0, "kept_at_exit": False}
+_echo_silencer_lock = threading.Lock()
+
+
+def _reading_starts() -> None:
+  """A read begins: the hooks are installed (if they are not) until the last read ends."""
+  with _echo_silencer_lock:
+    _echo_silencer["reading"] += 1
+    _drop_echoes_of_failed_reads()
+
+
+def _reading_ends(abandoned: bool) -> None:
+  """A read ends. One that left reads running (`abandoned`) keeps the hooks to the exit;
+  otherwise the last read to end puts back the hooks they replaced."""
+  with _echo_silencer_lock:
+    _echo_silencer["reading"] -= 1
+    if abandoned:
+      _drop_echoes_of_failed_reads()   # again: another thread's read may have removed them
+      if not _echo_silencer["kept_at_exit"]:
+        _echo_silencer["kept_at_exit"] = True
+        atexit.register(_drop_echoes_of_failed_reads)
+    elif _echo_silencer["reading"] == 0 and not _echo_silencer["kept_at_exit"]:
+      _stop_dropping_echoes()
 
 
 def _drop_echoes_of_failed_reads() -> None:
@@ -606,11 +632,8 @@ def _drop_echoes_of_failed_reads() -> None:
 
 
 def _stop_dropping_echoes() -> None:
-  """Puts back the hooks `_drop_echoes_of_failed_reads` replaced, unless a failed read in
-  this process keeps them (its abandoned reads can echo up to exit) or another library has
-  replaced them since (putting back would drop that library's hook)."""
-  if _echo_silencer["kept_at_exit"]:
-    return
+  """Puts back the hooks `_drop_echoes_of_failed_reads` replaced, unless another library
+  has replaced them since (putting back would drop that library's hook)."""
   for name in ("unraisablehook", "excepthook"):
     installed = _echo_silencer[name]
     if installed is not None and getattr(sys, name) is installed[0]:

@@ -331,7 +331,8 @@ _RESTORE_DAMAGED_AND_EXIT = textwrap.dedent("""
     t._restore(path)
     print("intact restore keeps the hooks:",
           hooks == (sys.excepthook, sys.unraisablehook, logging.getLogger("asyncio").filters))
-    path = pathlib.Path(shutil.copytree(path, pathlib.Path(tempfile.mkdtemp()) / "damaged"))
+    scratch = pathlib.Path(tempfile.mkdtemp(dir=os.environ.get("FP8JAX_TEST_RUN_DIR")))
+    path = pathlib.Path(shutil.copytree(path, scratch / "damaged"))
     for data_file in (path / "state" / "d").iterdir():
       os.truncate(data_file, data_file.stat().st_size // 2)
     try:
@@ -349,14 +350,77 @@ def test_a_refused_damaged_checkpoint_leaves_no_flood_of_tracebacks_at_exit():
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  intact, refused = proc.stdout.splitlines()
+  lines = proc.stdout.splitlines()
   # The hooks that drop a failed read's echoes are there for the read only: after an intact
   # restore, every exception of the process reaches the hooks it had before.
-  assert intact == "intact restore keeps the hooks: True"
-  assert refused.startswith("refused: Could not read the arrays of checkpoint"), proc.stdout
+  assert "intact restore keeps the hooks: True" in lines, proc.stdout
+  assert lines[-1].startswith("refused: Could not read the arrays of checkpoint"), proc.stdout
   for echo in ("Encountered error while reading", "Event loop is closed",
                "was never retrieved", "Traceback"):
     assert echo not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.fixture
+def fresh_echo_hooks(monkeypatch):
+  """This process's exception hooks as a process that never read a checkpoint has them:
+  its own hooks (put back after the test) and fp8jax's hook state unused."""
+  monkeypatch.setattr(ckpt, "_echo_silencer", {
+      "unraisablehook": None, "excepthook": None, "filter": None, "reading": 0,
+      "kept_at_exit": False})
+  monkeypatch.setattr(ckpt.atexit, "register", lambda fn: None)  # not this test's exit
+  monkeypatch.setattr(sys, "excepthook", lambda *args: None)
+  monkeypatch.setattr(sys, "unraisablehook", lambda *args: None)
+  return sys.excepthook, sys.unraisablehook
+
+
+def _orbax_whose_restore(restore):
+  """A stand-in for orbax whose checkpointer's restore calls `restore()`."""
+  import types
+
+  class Checkpointer:
+    def __init__(self, handler):
+      pass
+
+    def restore(self, path, args):
+      return {"state": restore()}
+
+  return types.SimpleNamespace(
+      Checkpointer=Checkpointer, CompositeCheckpointHandler=lambda: None,
+      args=types.SimpleNamespace(Composite=lambda **items: items,
+                                 StandardRestore=lambda abstract: abstract))
+
+
+def test_the_echo_hooks_are_there_during_a_read_and_put_back_after_it(fresh_echo_hooks):
+  """Installed before the read starts (a read tensorstore finishes after orbax closed its
+  event loop reports there, before any failure reaches fp8jax), removed after it."""
+  during = []
+  orbax = _orbax_whose_restore(lambda: during.append((sys.excepthook, sys.unraisablehook)))
+  ckpt._read_arrays(orbax, pathlib.Path("unused"), {}, "unused")
+  assert during and all(hook not in fresh_echo_hooks for hook in during[0])
+  assert (sys.excepthook, sys.unraisablehook) == fresh_echo_hooks
+
+
+def test_a_read_abandoned_in_one_thread_keeps_the_hooks_another_threads_read_ends(
+    fresh_echo_hooks):
+  ckpt._reading_starts()                 # read A
+  ckpt._reading_starts()                 # read B, in another thread
+  ckpt._reading_ends(abandoned=False)    # A finishes: B still reads
+  assert sys.excepthook is not fresh_echo_hooks[0]
+  ckpt._reading_ends(abandoned=True)     # B fails on a damaged file: its reads run on
+  assert sys.excepthook is not fresh_echo_hooks[0]
+  ckpt._reading_starts()                 # a later intact read leaves them to the exit
+  ckpt._reading_ends(abandoned=False)
+  assert sys.excepthook is not fresh_echo_hooks[0]
+  assert sys.unraisablehook is not fresh_echo_hooks[1]
+
+
+def test_an_interrupted_read_keeps_the_hooks(fresh_echo_hooks):
+  def interrupted():
+    raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    ckpt._read_arrays(_orbax_whose_restore(interrupted), pathlib.Path("unused"), {}, "unused")
+  assert sys.excepthook is not fresh_echo_hooks[0]
+  assert ckpt._echo_silencer["kept_at_exit"] and ckpt._echo_silencer["reading"] == 0
 
 
 def test_saving_under_a_file_names_the_users_path(tmp_path):

@@ -220,9 +220,10 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
 
 _OPEN = {"(": ")", "{": "}", "[": "]"}
 # What the bracket scanners stop at: a whole quoted string (escapes inside it skipped; a
-# custom call's backend_config can be megabytes), a bracket, or a comma. Everything else
-# is passed over by the regex engine, not character by character in Python.
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[(){}\[\],]')
+# custom call's backend_config can be megabytes, read in runs of plain characters), a
+# bracket, or a comma. Everything else is passed over by the regex engine, not character
+# by character in Python.
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[(){}\[\],]', re.DOTALL)
 
 
 def _matching(text: str, start: int) -> int:
