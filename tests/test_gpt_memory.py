@@ -193,16 +193,25 @@ def test_cost_gpt_prints_memory_beside_time_and_the_hopper_attention(small_gpt, 
   # The command's two steps are the fixture's FP8 step (its defaults: FP8 moments, FP8
   # saved activations) and bf16 twin: it is handed their compiled reports, and any other
   # program it asked for would be a wrong default.
+  import inspect
+
+  from fp8jax.lowering.cost import CostConstants
+
   compiled = {program: result for program, result in small_gpt.values()}
   asked = []
+  signature = inspect.signature(gpt_program.measure)
 
-  def measure(program, **kwargs):
-    asked.append(program)
-    return compiled[program]
+  def measure(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)   # a call the real one would take
+    bound.apply_defaults()
+    asked.append(dict(bound.arguments))
+    return compiled[bound.arguments["program"]]
 
   monkeypatch.setattr(gpt_program, "measure", measure)
   assert main(["cost", "--gpt", "small", "--summary"]) == 0
-  assert asked == [small_gpt["fp8"][0], small_gpt["bf16"][0]]
+  # The fixture's programs were compiled deviceless with the default constants.
+  assert asked == [{"program": small_gpt[name][0], "target": "auto",
+                    "constants": CostConstants()} for name in ("fp8", "bf16")]
   out = capsys.readouterr().out
   assert "predicted speedup of delayed, adamw_fp8, fp8 saved over bf16, adamw" in out
   assert "FP8 / bf16" in out and "arguments" in out and "of 80 GiB" in out
