@@ -545,13 +545,16 @@ def _read_arrays(ocp, path: pathlib.Path, abstract: dict, directory) -> dict:
   # orbax closed its event loop can report "Event loop is closed" before the failure
   # reaches this function (under load).
   _reading_starts()
+  abandoned = True   # unless it ends in full: a failed or interrupted read's others run on
   try:
     arrays = checkpointer.restore(
         path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    abandoned = False
+    return arrays
   except Exception as error:  # orbax wraps some of tensorstore's errors in plain Exceptions
     damage = _damage_in(error)
     if damage is None:
-      _reading_ends(abandoned=False)
+      abandoned = False
       raise  # e.g. a sharding that does not fit an array: its own message says what
     try:
       message = (f"Could not read the arrays of checkpoint {str(directory)!r} "
@@ -560,11 +563,8 @@ def _read_arrays(ocp, path: pathlib.Path, abstract: dict, directory) -> dict:
     finally:
       _close_abandoned_reads(error)
     raise CheckpointCorrupted(message) from error
-  except BaseException:  # interrupted (Ctrl-C): its other reads may still echo
-    _reading_ends(abandoned=True)
-    raise
-  _reading_ends(abandoned=False)  # every read finished: nothing is left to echo
-  return arrays
+  finally:
+    _reading_ends(abandoned)
 
 
 def _close_abandoned_reads(error: BaseException) -> None:
@@ -579,22 +579,27 @@ def _close_abandoned_reads(error: BaseException) -> None:
   the tracebacks of the chained errors are dropped (their messages stay), the
   coroutines are collected now, and from here on this process drops exactly those
   echoes of a failed read (the same hooks again at exit, should another library have
-  replaced them); every other unraisable exception and log record passes as before.
+  replaced them; `_reading_ends`); every other unraisable exception and log record passes
+  as before. The hooks are in place here: the read is still counted.
   """
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     error.__traceback__ = None
     error = error.__cause__ or error.__context__
-  _reading_ends(abandoned=True)
   gc.collect()
 
 
-# The hooks (with the hooks they replaced) and log filter that drop the echoes of a failed
-# read, while installed; how many reads are running (in any thread); and whether a failed
-# read keeps the hooks to the process's exit.
-_echo_silencer = {"unraisablehook": None, "excepthook": None, "filter": None,
-                  "reading": 0, "kept_at_exit": False}
+def _unused_echo_silencer() -> dict:
+  """The hook state of a process that has read no checkpoint: the hooks (with the hooks
+  they replaced) and log filter that drop the echoes of a failed read, while installed;
+  how many reads are running (in any thread); whether a failed read keeps the hooks to the
+  process's exit."""
+  return {"unraisablehook": None, "excepthook": None, "filter": None, "reading": 0,
+          "kept_at_exit": False}
+
+
+_echo_silencer = _unused_echo_silencer()
 _echo_silencer_lock = threading.Lock()
 
 
@@ -606,8 +611,8 @@ def _reading_starts() -> None:
 
 
 def _reading_ends(abandoned: bool) -> None:
-  """A read ends. One that left reads running (`abandoned`) keeps the hooks to the exit;
-  otherwise the last read to end puts back the hooks they replaced."""
+  """A read ends. One that left reads running (`abandoned`: failed or interrupted) keeps
+  the hooks to the exit; otherwise the last read to end puts back the hooks they replaced."""
   with _echo_silencer_lock:
     _echo_silencer["reading"] -= 1
     if abandoned:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 import warnings
 import zlib
 
@@ -364,9 +365,7 @@ def test_a_refused_damaged_checkpoint_leaves_no_flood_of_tracebacks_at_exit():
 def fresh_echo_hooks(monkeypatch):
   """This process's exception hooks as a process that never read a checkpoint has them:
   its own hooks (put back after the test) and fp8jax's hook state unused."""
-  monkeypatch.setattr(ckpt, "_echo_silencer", {
-      "unraisablehook": None, "excepthook": None, "filter": None, "reading": 0,
-      "kept_at_exit": False})
+  monkeypatch.setattr(ckpt, "_echo_silencer", ckpt._unused_echo_silencer())
   monkeypatch.setattr(ckpt.atexit, "register", lambda fn: None)  # not this test's exit
   monkeypatch.setattr(sys, "excepthook", lambda *args: None)
   monkeypatch.setattr(sys, "unraisablehook", lambda *args: None)
@@ -375,8 +374,6 @@ def fresh_echo_hooks(monkeypatch):
 
 def _orbax_whose_restore(restore):
   """A stand-in for orbax whose checkpointer's restore calls `restore()`."""
-  import types
-
   class Checkpointer:
     def __init__(self, handler):
       pass

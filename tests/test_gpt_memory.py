@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import json
 import pathlib
 import warnings
@@ -24,6 +25,7 @@ import pytest
 import fp8jax
 from fp8jax import deviceless
 from fp8jax.cli import main
+from fp8jax.lowering.cost import CostConstants
 from fp8jax.lowering import memory as memory_lib
 from fp8jax.lowering.memory import GIB, MemoryReport
 from fp8jax.runs import RunConfig
@@ -154,8 +156,6 @@ def small_gpt():
 
 @pytest.mark.hopper
 def test_small_gpt_fp8_memory_features_shrink_arguments_and_total_as_at_1b(small_gpt):
-  if _MISSING is not None:
-    pytest.skip(str(_MISSING))
   memory = {name: result[1] for name, (_, result) in small_gpt.items()}
   # Arguments: fp32 params (4 B) + Adam moments (8 B in float32, ~2.1 B in FP8).
   assert memory["fp8"].arguments <= 0.55 * memory["bf16"].arguments
@@ -186,17 +186,11 @@ def test_recorded_1b_figures_meet_the_memory_acceptance():
 @pytest.mark.hopper
 def test_cost_gpt_prints_memory_beside_time_and_the_hopper_attention(small_gpt, capsys,
                                                                       monkeypatch):
-  if _MISSING is not None:
-    pytest.skip(str(_MISSING))
   from fp8jax.runs import gpt_program
 
   # The command's two steps are the fixture's FP8 step (its defaults: FP8 moments, FP8
   # saved activations) and bf16 twin: it is handed their compiled reports, and any other
   # program it asked for would be a wrong default.
-  import inspect
-
-  from fp8jax.lowering.cost import CostConstants
-
   compiled = {program: result for program, result in small_gpt.values()}
   asked = []
   signature = inspect.signature(gpt_program.measure)
