@@ -31,12 +31,14 @@ needs_toolchain = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""
 # Round numbers so that the expected times below are easy to check by hand.
 CONSTANTS = CostConstants(fp8_gemm_flops_per_s=2e15, bf16_gemm_flops_per_s=1e15,
                           f32_gemm_flops_per_s=5e14, hbm_bytes_per_s=2e12,
-                          kernel_overhead_s=3e-6)
+                          kernel_overhead_s=3e-6, loop_kernel_overhead_s=5e-6)
 
 
-def roofline(flops, nbytes, rate, c=CONSTANTS):
-  """The model's formula, written out: max(compute, memory) + launch overhead."""
-  return max(flops / rate, nbytes / c.hbm_bytes_per_s) + c.kernel_overhead_s
+def roofline(flops, nbytes, rate, c=CONSTANTS, in_loop=False):
+  """The model's formula, written out: max(compute, memory) + launch overhead (dearer for
+  a kernel inside a while loop)."""
+  overhead = c.loop_kernel_overhead_s if in_loop else c.kernel_overhead_s
+  return max(flops / rate, nbytes / c.hbm_bytes_per_s) + overhead
 
 
 def _gemm_config(lhs_contracting, rhs_contracting):
@@ -242,8 +244,15 @@ def test_a_while_body_counts_its_known_trip_count_and_its_condition_never_runs()
   gemm = kernels_by_name(report)["cublas-gemm.1"]
   assert gemm.flops == 2 * 256**3
   assert report.flops == 5 * 2 * 256**3
-  one_gemm = roofline(2 * 256**3, 3 * 256 * 256 * 2, CONSTANTS.bf16_gemm_flops_per_s)
+  one_gemm = roofline(2 * 256**3, 3 * 256 * 256 * 2, CONSTANTS.bf16_gemm_flops_per_s,
+                      in_loop=True)
   assert gemm.time_s == pytest.approx(5 * one_gemm, rel=1e-12)
+  # Inside the loop each launch costs the loop's overhead, outside it the top level's.
+  in_loop = {k.name: k.in_loop for k in report.kernels}
+  assert in_loop == {"copy.1": False, "loop_add_fusion": True, "loop_sine_fusion": True,
+                     "cublas-gemm.1": True}
+  copy = kernels_by_name(report)["copy.1"]
+  assert copy.time_s == pytest.approx(roofline(0, 8, 1.0), rel=1e-12)
   assert report.bytes == sum((k.bytes_in + k.bytes_out) * k.launches for k in report.kernels)
 
 
