@@ -223,7 +223,8 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
       dk = explicit_mesh.dot_general(qx, g.astype(qx.dtype), wgrad_dims,
                                      dk_spec).astype(kernel_dtype)
     else:
-      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype, dk_spec)
+      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims,
+                      wgrad_dtype(g.dtype, kernel_dtype), dk_spec).astype(kernel_dtype)
     dk = jnp.transpose(dk, wgrad_perm)
 
   meta_in_cotangent = dataclasses.replace(
@@ -409,11 +410,21 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
     dx = scaled_matmul_nt(qg, qk, dgrad_descale, g.dtype,
                           out_spec=explicit_mesh.explicit_spec(qx_t)[::-1])
   with jax.named_scope("fp8_wgrad"):
-    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, kernel_dtype,
-                          out_spec=explicit_mesh.explicit_spec(qk))
+    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, wgrad_dtype(g.dtype, kernel_dtype),
+                          out_spec=explicit_mesh.explicit_spec(qk)).astype(kernel_dtype)
   dx = explicit_mesh.reshape(dx, layout.x_shape, layout.x_spec)
   dk = explicit_mesh.reshape(dk, layout.kernel_shape, layout.kernel_spec)
   return dx, dk, dataclasses.replace(grad_cotangent, amax=g_cast.amax)
+
+
+def wgrad_dtype(g_dtype, kernel_dtype):
+  """The dtype the weight-gradient GEMM writes: the narrower of the output gradient's
+  and the kernel's. A float32 master weight (the Flax layers hand the op their stored
+  kernel, `fp8jax.flax.master_kernel`) gets its gradient as a bf16 model's does, rounded
+  to the activations' dtype by the GEMM (2 bytes written, and read by the optimizer,
+  where the conversion to float32 fuses) instead of 4 each way."""
+  g_dtype, kernel_dtype = jnp.dtype(g_dtype), jnp.dtype(kernel_dtype)
+  return g_dtype if g_dtype.itemsize < kernel_dtype.itemsize else kernel_dtype
 
 
 # ----- GEMMs with their descales -----------------------------------------------------
