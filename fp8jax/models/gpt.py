@@ -11,19 +11,23 @@ Architecture (pre-norm, GPT-2 shaped, no biases, no learned positions):
 
     x = embed[tokens]                                          # bf16 [B, S, d]
     for each of n_layers blocks (nn.scan, one stacked set of params and FP8 state):
-      x = x + out(attention(rope(q(h)), rope(k(h)), v(h), causal))   h = rms_norm(x)
+      q, k, v = qkv(h)                                               h = rms_norm(x)
+      x = x + out(attention(rope(q), rope(k), v, causal))
       x = x + down(gelu(up(h)))                                      h = rms_norm(x)
     logits = rms_norm(x) @ embed^T                             # float32 [B, S, 256]
 
 `rms_norm(x) = x / sqrt(mean(x**2) + eps) * scale`, computed in float32 (a
-learned `scale` per feature). The MLP width is d_ff = 4 d and its GELU is the
-tanh approximation (with `GptConfig.experts` = E, a dropless mixture of E such
+learned `scale` per feature). q, k and v are one projection of h (`qkv`, its kernel
+[d, heads, 3, head_dim]): one GEMM, and in FP8 one cast of h and of the kernel. The
+norms and the GELU are fp8jax's (`fp8jax.ops.rms_norm`, `fp8jax.ops.gelu`), whose
+backward keeps their input alone (autodiff keeps float32 intermediates). The MLP width
+is d_ff = 4 d and its GELU is the tanh approximation (with `GptConfig.experts` = E, a dropless mixture of E such
 MLPs, each token routed to `top_k` of them: `fp8jax.models.gpt_moe`). The output
 projection is tied to the input embedding: the embedding table [256, d] is its
 kernel. Parameters are float32; activations, the residual stream included, are
 bfloat16.
 
-FP8 (`recipe` given): the q, k, v and attention-output projections are
+FP8 (`recipe` given): the qkv and attention-output projections are
 `fp8jax.flax.linen.Fp8DenseGeneral`, the MLP's two are `Fp8Dense`, the tied
 output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
 `DotMeta`, and attention is `fp8jax.fp8_attention` with an `AttentionMeta`
@@ -34,7 +38,7 @@ move freely between the two (a bf16 checkpoint loads into the FP8 model).
 
 The "fp8_meta" collection follows `fp8jax.flax.linen`'s conventions:
 
-    {"blocks": {"attention": {"query"|"key"|"value"|"out": {"dot_meta": DotMeta},
+    {"blocks": {"attention": {"qkv"|"out": {"dot_meta": DotMeta},
                               "attention_meta": AttentionMeta},
                 "mlp": {"up"|"down": {"dot_meta": DotMeta}}},
      "head": {"dot_meta": DotMeta}}
@@ -82,7 +86,7 @@ from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_me
                                fp8_variable, read_meta, store_dot_meta)
 from fp8jax.models import gpt_moe
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
-from fp8jax.ops.attention_backend import BACKENDS, BackendChoice
+from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
 from fp8jax.ops import saved_activations
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.gelu import gelu
@@ -112,14 +116,23 @@ class GptConfig:
     init_std: standard deviation of the embedding and projection initializers.
     remat: recompute each block's activations in the backward pass (`nn.remat`),
       trading compute for memory.
-    scan_unroll: blocks per iteration of the `nn.scan` loop (n_layers unrolls it
-      fully; parameters and FP8 state stay stacked either way). On XLA:CPU a rolled
-      loop stores each block's saved activations by rewriting the whole stacked
-      buffer (FP8 ones through an f16 copy): the tiny model's train step takes
-      512 ms in FP8 and 176 ms in bf16 rolled, 172 and 138 ms unrolled. "tiny"
-      unrolls; the larger sizes (meant for a GPU) keep the loop rolled.
-    fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`);
-      False keeps it in bf16 (`fp8jax.attention`) beside the FP8 projections.
+    scan_unroll: blocks per iteration of the `nn.scan` loop; None (the default)
+      unrolls it fully. Parameters and FP8 state stay stacked either way (one array
+      per weight over the layers, which the optimizer updates in few kernels). A
+      rolled loop costs a train step much more than its compile time saves: it
+      zero-fills a stacked buffer for every activation the backward keeps, copies
+      each layer's into it and slices it back out, and its kernels are launched one
+      at a time (the 350m step, batch 8 x 1024, on an H100 by `fp8jax cost`: bf16
+      71 ms rolled against 37 ms unrolled). On XLA:CPU the tiny model's train step
+      takes 512 ms in FP8 and 176 ms in bf16 rolled, 172 and 138 ms unrolled.
+    fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`) where
+      the backend chosen for it computes in FP8 (an FP8 kernel; on a CPU, XLA's
+      emulation of one). Where it would only dequantize the FP8 inputs into a bf16
+      kernel (on Hopper today: cuDNN's bf16 attention is faster than every validated
+      FP8 kernel), the block runs that bf16 attention itself, without the passes that
+      quantize q, k, v and record their amaxes (1.8 ms of the 350m step); its
+      AttentionMeta is kept but not updated (`runs_fp8_attention` says which).
+      False keeps attention in bf16 (`fp8jax.attention`) beside the FP8 projections.
     attention_backend: force an attention backend ("pallas", "xla", ...; see
       `fp8jax.ops.attention_backend`); None lets fp8jax choose for the compile target.
     saved_activations: what the backward keeps of the non-GEMM ops. "default": what
@@ -147,7 +160,7 @@ class GptConfig:
   norm_eps: float = 1e-6
   init_std: float = 0.02
   remat: bool = False
-  scan_unroll: int = 1
+  scan_unroll: int | None = None
   fp8_attention: bool = True
   attention_backend: str | None = None
   saved_activations: str = "default"
@@ -159,6 +172,8 @@ class GptConfig:
     for field in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
                   "scan_unroll"):
       value = getattr(self, field)
+      if field == "scan_unroll" and value is None:
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"GptConfig.{field}={value!r}: expected a positive int.")
     if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
@@ -191,7 +206,7 @@ SIZES: dict[str, GptConfig] = {
     # tiny: the CPU demo size. Measured on 2 shared CPU cores (jax 0.10.2, batch
     # 16 x 128, jitted adamw train step, median after compile): 138 ms per step in
     # bf16, 172 ms in FP8 (delayed scaling), 174 ms (current): 300 steps take 40-50 s.
-    "tiny": GptConfig(d_model=128, n_layers=4, n_heads=2, seq_len=128, scan_unroll=4),
+    "tiny": GptConfig(d_model=128, n_layers=4, n_heads=2, seq_len=128),
     "small": GptConfig(d_model=384, n_layers=6, n_heads=6, seq_len=256),
     "125m": GptConfig(d_model=768, n_layers=12, n_heads=12, seq_len=1024),
     "350m": GptConfig(d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
@@ -220,7 +235,7 @@ def parameter_count(config: GptConfig) -> int:
   """Number of parameters: embedding (tied, counted once), blocks, final norm (with
   experts, all of them: `gpt_moe.mlp_parameters`)."""
   d = config.d_model
-  per_block = 4 * d * d + gpt_moe.mlp_parameters(config) + 2 * d  # q, k, v, out; MLP; norms
+  per_block = 4 * d * d + gpt_moe.mlp_parameters(config) + 2 * d  # qkv, out; MLP; norms
   return config.vocab_size * d + config.n_layers * per_block + d
 
 
@@ -251,6 +266,17 @@ def attention_choice(config: GptConfig, recipe: Recipe | None, batch_size: int,
                              ACTIVATION_DTYPE)
   return choose_backend(qkv, qkv, fp8=fp8, causal=True, has_segments=False,
                         recipe=recipe if fp8 else None, backend=config.attention_backend)
+
+
+def runs_fp8_attention(config: GptConfig, recipe: Recipe | None, batch_size: int,
+                       seq_len: int) -> bool:
+  """Whether `Gpt(config, recipe)`'s attention computes in FP8 for [batch_size, seq_len]:
+  FP8 attention is asked for and its backend is not one that dequantizes FP8 inputs
+  into a bf16 kernel (see `GptConfig.fp8_attention`)."""
+  if recipe is None or not config.fp8_attention:
+    return False
+  choice = attention_choice(config, recipe, batch_size, seq_len)
+  return choice.name not in DEQUANTIZING_FP8_BACKENDS
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -291,21 +317,11 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, delta: jax.Array | None = None):
     scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
-    if self.save_fp8 or self.return_amax:
-      options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
-                     return_amax=self.return_amax)
-      if delta is None:
-        return rms_norm(x, scale, **options)
-      return add_rms_norm(x, delta, scale, **options)
-    if delta is not None:
-      x = x + delta
-      return x, self._normalize(x, scale)
-    return self._normalize(x, scale)
-
-  def _normalize(self, x: jax.Array, scale: jax.Array) -> jax.Array:
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-    return (x * scale.astype(jnp.float32)).astype(self.out_dtype)
+    options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
+                   return_amax=self.return_amax)
+    if delta is None:
+      return rms_norm(x, scale, **options)
+    return add_rms_norm(x, delta, scale, **options)
 
 
 def _dense_general(recipe: Recipe | None, features, *, std: float, axis=-1, name: str):
@@ -352,9 +368,9 @@ def _residual_std(config: GptConfig) -> float:
 
 
 class CausalSelfAttention(nn.Module):
-  """q, k, v projections, RoPE on q and k, causal attention, output projection.
+  """The qkv projection, RoPE on q and k, causal attention, output projection.
 
-  Not `Fp8MultiHeadAttention`: RoPE has to act between the projections and the
+  Not `Fp8MultiHeadAttention`: RoPE has to act between the projection and the
   attention. The state follows that layer's conventions (a `DotMeta` per
   projection, an `AttentionMeta` named "attention_meta").
   """
@@ -366,14 +382,18 @@ class CausalSelfAttention(nn.Module):
   def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
     """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `x_amax`: max|x| if known."""
     c, recipe = self.config, self.recipe
-    heads = (c.n_heads, c.head_dim)
-    q = _project(_dense_general(recipe, heads, std=c.init_std, name="query"), x, x_amax)
-    k = _project(_dense_general(recipe, heads, std=c.init_std, name="key"), x, x_amax)
-    v = _project(_dense_general(recipe, heads, std=c.init_std, name="value"), x, x_amax)
+    # One projection reads h once (in FP8: one cast of h and of the kernel, one GEMM).
+    # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
+    # split over a tensor-parallel axis stay whole blocks of the flattened GEMM.
+    qkv = _project(_dense_general(recipe, (c.n_heads, 3, c.head_dim), std=c.init_std,
+                                  name="qkv"), x, x_amax)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
     if recipe is not None and c.fp8_attention:
+      # The state exists whichever attention runs, so the tree is the same on every target.
       variable = fp8_variable(self, "attention_meta", init_attention_meta, recipe)
+    if runs_fp8_attention(c, recipe, x.shape[0], x.shape[1]):
       out, new_meta = fp8_attention(q, k, v, read_meta(self, variable), causal=True,
                                     backend=c.attention_backend, save_output_fp8=c.fp8_saved)
       store_dot_meta(self, variable, new_meta)
@@ -400,7 +420,7 @@ class Mlp(nn.Module):
     if _writes_amax(self.recipe):
       h, h_amax = gelu(h, save_fp8=c.fp8_saved, return_amax=True)
     else:
-      h = gelu(h, save_fp8=True) if c.fp8_saved else nn.gelu(h)
+      h = gelu(h, save_fp8=c.fp8_saved)
     return _project(_dense(self.recipe, c.d_model, std=_residual_std(c), name="down"), h,
                     h_amax)
 
@@ -481,7 +501,7 @@ class Gpt(nn.Module):
                                            TELEMETRY_COLLECTION: 0,
                                            gpt_moe.AUX_COLLECTION: 0},
                      split_rngs={"params": True}, length=c.n_layers,
-                     unroll=min(c.scan_unroll, c.n_layers))
+                     unroll=min(c.scan_unroll or c.n_layers, c.n_layers))
     x, _ = blocks(c, recipe, name="blocks")(x, None)
     h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, save_fp8=c.fp8_saved, name="final_norm")(x)
     table = embed.embedding

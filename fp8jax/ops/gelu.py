@@ -82,6 +82,10 @@ def _forward(h, call):
 
 def _gelu_bwd(call, kept, cotangents):
   g, _ = cotangents  # the amax is not differentiated
+  # The barrier keeps XLA from sharing the forward's tanh with this one: it would store
+  # that float32 tensor (4 bytes per element) from the forward for the backward instead
+  # of recomputing it from the 2-byte h the backward reads anyway.
+  kept = jax.lax.optimization_barrier(kept)
   h = saved_activations.restore(kept) if call.save_fp8 else kept
   return ((g.astype(jnp.float32) * gelu_derivative(h)).astype(g.dtype),)
 
