@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
                                                   check_products, check_x, scalar_f32)
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
@@ -88,13 +89,16 @@ class ScaleFromAmax:
 
 @dataclasses.dataclass(frozen=True)
 class CastSpec:
-  """The FP8 target of the cast, whether the transposed copy is written, and whether
-  the scale is made from a given amax (`from_amax`) instead of read."""
+  """The FP8 target of the cast, whether the transposed copy is written, whether
+  the scale is made from a given amax (`from_amax`) instead of read, and the
+  elementwise function of x (and of the tensors it also reads) that is cast
+  (`prologue`, `pallas_kernels.activations`; None casts x)."""
 
   dtype: jnp.dtype
   max: float
   transpose: bool
   from_amax: ScaleFromAmax | None = None
+  prologue: Prologue | None = None
 
 
 def _saturate(y, fp8_max: float):
@@ -138,7 +142,8 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
             interpret: bool):
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
-  Refs: x, [scale], [given, recorded], [descale], [partner x `partners`], [amax_in],
+  Refs: x, [prologue input x `cast.prologue.inputs`], [scale], [given, recorded],
+  [descale], [partner x `partners`], [amax_in],
   [accumulator], [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t],
   [descale_out], [product x `partners`], amax_out, [reduced], [seed x `seeds`],
   [passed out x `passed`]. amax_out is amax_in's buffer ("in_place"), the
@@ -148,6 +153,8 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
   """
   refs = list(refs)
   x_ref = refs.pop(0)
+  prologue = cast.prologue if cast is not None else None
+  other_refs = [refs.pop(0) for _ in range(prologue.inputs if prologue else 0)]
   scale_ref = refs.pop(0) if cast is not None else None
   given_ref, recorded_ref = ((refs.pop(0), refs.pop(0)) if amax.accumulate == "given"
                               else (None, None))
@@ -208,12 +215,17 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
         plgpu.atomic_max(amax_ref, jnp.int32(0), amax_in_ref[0])
 
   mask = tile_mask(tiling)
-  if mask is None:
-    x = x_ref[...]
-  else:
+
+  def load(ref):
     # Out-of-range elements read as 0, the identity of the amax below.
-    x = plgpu.load(x_ref, mask=mask, other=0)
-  x = x.astype(jnp.float32)  # exact for bf16 / f16 inputs
+    tile = ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
+    return tile.astype(jnp.float32)  # exact for bf16 / f16 inputs
+
+  x = load(x_ref)
+  if prologue is not None:
+    # The tensor cast is the prologue's result, in float32 (never written in bf16);
+    # it maps zeros to 0, so a masked edge keeps the amax's identity.
+    x = prologue.fn(x, *map(load, other_refs))
 
   if amax.accumulate != "given":
     magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
@@ -301,7 +313,7 @@ def _reduce_tiles(tiles_ref, running):
 
 
 def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
-          passed=(), given=None, *, cast: CastSpec | None, amax: AmaxSpec,
+          passed=(), given=None, others=(), *, cast: CastSpec | None, amax: AmaxSpec,
           block_sizes: CastTransposeBlockSizes, interpret: bool):
   """Runs the kernel over all tiles of x.
 
@@ -323,14 +335,14 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   # 0-d blocks: the GEMM reads each product as its scalar operand directly (a [1]
   # array would need a reshape XLA puts between converts, costing a kernel).
   rank0_spec = pl.BlockSpec((), lambda i, j: ())
-  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given)
+  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given, others)
   # Inside shard_map: a buffer written in place gives its type to the output, so it
   # carries that of max(amax_in, max|x|); every other output varies as what it is
   # computed from.
   amax_axes = varying_axes(x, amax_in, accumulator)
   if amax.accumulate == "in_place" and amax_in is not None:
     amax_in = vary(amax_in, amax_axes)
-  operands, in_specs = [x], [tile_spec]
+  operands, in_specs = [x, *others], [tile_spec] * (1 + len(others))
   if cast is not None:
     operands.append(scale.reshape(1))
     in_specs.append(scalar_spec)
@@ -363,7 +375,7 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   out_specs, out_shape = [], []
   if cast is not None:
     out_specs.append(tile_spec)
-    cast_axes = varying_axes(x, scale, given[:1] if given else None)
+    cast_axes = varying_axes(x, *others, scale, given[:1] if given else None)
     out_shape.append(out_struct((rows, cols), cast.dtype, cast_axes))
     if cast.transpose:
       out_specs.append(pl.BlockSpec(block[::-1], lambda i, j: (j, i)))
@@ -428,11 +440,13 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
 
 @functools.partial(jax.jit, static_argnames=("cast", "amax", "block_sizes", "interpret"))
 def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
-           passed=(), given=None, *, cast, amax=AmaxSpec(), block_sizes, interpret):
+           passed=(), given=None, others=(), *, cast, amax=AmaxSpec(), block_sizes,
+           interpret):
   """One jitted launch of the kernel over all tiles of x (`_call`), for this module's
-  public functions and those of `cast_transpose_chain` and `cast_transpose_current`."""
+  public functions and those of `cast_transpose_chain` and `cast_transpose_current`.
+  `others`: the further tensors `cast.prologue` reads, each of x's shape."""
   return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given,
-               cast=cast, amax=amax, block_sizes=block_sizes, interpret=interpret)
+               others, cast=cast, amax=amax, block_sizes=block_sizes, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------

@@ -135,3 +135,19 @@ def check_block_sizes(block_sizes) -> None:
     raise TypeError(
         f"block_sizes must be a CastTransposeBlockSizes, got "
         f"{type(block_sizes).__name__}: {block_sizes!r}.")
+
+
+def check_prologue(prologue, prologue_inputs, x) -> tuple:
+  """The prologue's further tensors as a tuple, each of x's shape and an input dtype."""
+  from_inputs = tuple(prologue_inputs)
+  wanted = 0 if prologue is None else prologue.inputs
+  if len(from_inputs) != wanted:
+    raise ValueError(f"prologue_inputs has {len(from_inputs)} tensors but the prologue "
+                     f"{'(none)' if prologue is None else prologue.fn.__name__} reads {wanted} "
+                     "besides x.")
+  for i, t in enumerate(from_inputs):
+    if jnp.shape(t) != jnp.shape(x) or jnp.result_type(t) not in INPUT_DTYPES:
+      raise ValueError(f"prologue_inputs[{i}] has shape {jnp.shape(t)} and dtype "
+                       f"{jnp.result_type(t)}; it must have x's shape {jnp.shape(x)} and a "
+                       f"dtype of {[d.name for d in INPUT_DTYPES]}.")
+  return from_inputs

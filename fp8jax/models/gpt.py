@@ -84,6 +84,7 @@ from fp8jax.core.meta import init_attention_meta
 from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
+from fp8jax.flax.linen_mlp import Fp8Mlp
 from fp8jax.models import gpt_moe
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
 from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
@@ -446,7 +447,13 @@ class Block(nn.Module):
       return x + gpt_moe.moe_mlp(c, self.recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
                                  name="mlp")(h[0]), None
-    return x + Mlp(c, self.recipe, name="mlp")(*h), None
+    if self.recipe is None or amax:
+      return x + Mlp(c, self.recipe, name="mlp")(*h), None
+    # Both projections and the GELU as one op, the GELU done by the FP8 casts.
+    return x + Fp8Mlp(c.d_ff, recipe=self.recipe, dtype=ACTIVATION_DTYPE,
+                      param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(c.init_std),
+                      output_kernel_init=nn.initializers.normal(_residual_std(c)),
+                      save_fp8=c.fp8_saved, name="mlp")(h[0]), None
 
 
 class TiedOutput(nn.Module):

@@ -157,7 +157,7 @@ def _fp8_dot(x, kernel, meta, reused, x_amax, dims, kernel_dtype, layout):
 
 def _fp8_dot_fwd_impl(x, kernel, meta, reused, x_amax, dims, layout):
   if layout is not None:
-    out, new_meta, residuals = _matrix_fwd(x, kernel, meta, reused, layout, x_amax)
+    out, new_meta, residuals = matrix_fwd(x, kernel, meta, reused, layout, x_amax)
   else:
     out, new_meta, residuals = _general_fwd(x, kernel, meta, dims)
   # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.core.quantize.unbatched_like).
@@ -192,7 +192,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
   reused_cotangent = None
   g, meta_cotangent = cotangents
   if layout is not None:
-    dx, dk, grad_cotangent = _matrix_bwd(layout, residuals, g, meta_cotangent.grad,
+    dx, dk, grad_cotangent = matrix_bwd(layout, residuals, g, meta_cotangent.grad,
                                          kernel_dtype)
     return (dx, dk, amaxes_unbatched_like(
         meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent)),
@@ -340,8 +340,14 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   return cast, scale_inv, running
 
 
-def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
+def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
+  """The matrix path's forward: (out, new_meta, residuals).
+
+  `x_prologue`: the GEMM's input is `x_prologue.fn(x)`, made by x's cast
+  (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`).
+  """
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
+  with_prologue = {} if x_prologue is None else dict(prologue=x_prologue)
   # Delayed scaling's running amaxes enter the step as its parameters or zeros:
   # buffers a cast kernel cannot max into in place (XLA would copy each first, a
   # launch for 4 bytes). So the layer's casts form a chain instead
@@ -369,7 +375,7 @@ def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
     qk, qk_t = k_cast.q, k_cast.q_t
     x_cast, scale_inv_x, _ = _quantize_matrix(
         x2, meta.x, x, (scale_inv_k,), accumulator=k_cast.seeds[0],
-        reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed)
+        reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed, **with_prologue)
     k_amax = x_cast.reduced
   else:
     k_cast, scale_inv_k, _ = _quantize_matrix(
@@ -395,13 +401,23 @@ def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
   return out, new_meta, residuals
 
 
-def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
+def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=None,
+                g_prologue_inputs=()):
+  """The matrix path's backward: (dx, dk, the grad role's cotangent).
+
+  `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
+  input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`).
+  """
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator = residuals
-  g2 = explicit_mesh.to_matrix(g, g.ndim - (len(layout.kernel_shape) - layout.n_contract))
+  n_free = g.ndim - (len(layout.kernel_shape) - layout.n_contract)
+  g2 = explicit_mesh.to_matrix(g, n_free)
+  with_prologue = {} if g_prologue is None else dict(
+      prologue=g_prologue,
+      prologue_inputs=tuple(explicit_mesh.to_matrix(t, n_free) for t in g_prologue_inputs))
   # The grad role's scale is the forward state's; its amax goes to the cotangent.
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
   g_cast, _, _ = _quantize_matrix(g2, with_running, g, (scale_inv_k, scale_inv_x),
-                                  accumulator=g_accumulator)
+                                  accumulator=g_accumulator, **with_prologue)
   qg, qg_t = g_cast.q, g_cast.q_t
   dgrad_descale, wgrad_descale = g_cast.products
   # On an explicit-axis mesh dx is sharded as x (qx_t is x^T) and dk as the kernel

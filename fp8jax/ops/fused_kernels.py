@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 import pallas_kernels
+from pallas_kernels.activations import Prologue
 from fp8jax.core.formats import Fp8Format
 from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_from_amax
 from fp8jax.mesh.axes import fully_manual, inside_shard_map
@@ -176,7 +177,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
                   fmt: Fp8Format, *, descale: jax.Array | None = None,
                   partner_descales: tuple | None = None, gathered_for: jax.Array | None = None,
                   accumulator: jax.Array | None = None, tile_amaxes: bool = False,
-                  reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = ()) -> Cast:
+                  reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = (),
+                  prologue: Prologue | None = None, prologue_inputs: tuple = ()) -> Cast:
   """`cast_transpose_amax` as one cast of a chain whose amaxes need no kernel of their own.
 
   The cast kernel folds its tiles' maxima into one float32 with atomics, so that
@@ -196,6 +198,12 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   XLA can then write the update's results where those parameters were instead of
   copying each one there after the update.
 
+  A cast can take its tensor as an elementwise function of x (and of tensors of x's
+  shape) that it computes itself (`prologue`, `pallas_kernels.activations`): the
+  GELU before a projection, or its backward before the previous projection's output
+  gradient. The function's result is cast and its amax recorded, in float32, and never
+  written in bf16 for a cast to read again.
+
   Elsewhere (the jnp form) the same values: the tile maxima are a vector of
   max|x| as long as the kernel's, the seeds zeros, the copies the arrays themselves.
 
@@ -207,6 +215,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     reduce: (tiles, running) of an earlier cast.
     seeds: how many zeroed accumulators to return.
     pass_through: float32 scalars and vectors to return copies of.
+    prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` instead of x.
 
   Returns:
     A `Cast`.
@@ -219,9 +228,15 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   tiles_len = pallas_kernels.tile_count(x.shape) if tile_amaxes and x.ndim == 2 else 1
 
   shapes = tuple(jnp.shape(a) for a in pass_through)
+  if prologue is not None and gathered_for is not None:
+    raise ValueError("prologue is for casts of activations and gradients; a weight's cast "
+                     "(gathered_for=...) runs under a partitioning rule without it.")
+  others = tuple(prologue_inputs)
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-                pass_through, gathered_for=None):
+                pass_through, others, gathered_for=None):
+    if prologue is not None:
+      x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if with_products else None)
@@ -237,8 +252,10 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds,
                 tuple(pass_through))
 
-  def local_kernel(x, scale, *operands):
+  def local_kernel(x, *operands):
     operands = list(operands)
+    tensors = tuple(operands.pop(0) for _ in others)
+    scale = operands.pop(0)
     running = None if tile_amaxes else operands.pop(0)
     descale = operands.pop(0) if with_products else None
     partners = tuple(operands.pop(0) for _ in range(n_products)) if with_products else None
@@ -247,29 +264,29 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     out = pallas_kernels.cast_transpose_amax_in_chain(
         x, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
         partner_descales=partners, accumulator=acc, tile_amaxes=tile_amaxes, reduce=tiles,
-        seeds=seeds, pass_through=tuple(operands))
+        seeds=seeds, pass_through=tuple(operands), prologue=prologue, prologue_inputs=tensors)
     return (out.q, out.q_t, out.amax, *(out.products or ()),
             *((out.reduced,) if reduce is not None else ()), *out.seeds, *out.passed)
 
   kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
            + ("scalar",) * (n_products + (reduce is not None) + seeds)
            + ("vector",) * len(pass_through))
-  per_shard = shard_local(local_kernel, kinds)
+  per_shard = shard_local(local_kernel, kinds, tensors=1 + len(others))
 
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-             pass_through, gathered_for):
+             pass_through, others, gathered_for):
     # Copied through as vectors (a partitioning rule gives each output one layout).
-    operands = ([] if tile_amaxes else [running_amax]) + (
+    operands = list(others) + [scale] + ([] if tile_amaxes else [running_amax]) + (
         [descale, *partner_descales] if with_products else []) + (
         [accumulator] if accumulator is not None else []) + (
         list(reduce) if reduce is not None else []) + [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
-      results = local_kernel(x, scale, *operands)
+      results = local_kernel(x, *operands)
     elif gathered_for is None:
-      results = per_shard(x, scale, *operands)
+      results = per_shard(x, *operands)
     else:
       results = shard_local_weight_cast(local_kernel)(
-          x, gathered_for, scale, *operands, n_scalars_out=len(kinds) - 3,
+          x, gathered_for, *operands, n_scalars_out=len(kinds) - 3,
           amax_kind=kinds[2])
     q, q_t, new_amax, *rest = results
     products = tuple(rest[:n_products]) if with_products else None
@@ -279,8 +296,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     return Cast(q, q_t, new_amax, products, reduced, tuple(rest[:seeds]), passed)
 
   args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-          tuple(pass_through), gathered_for)
-  cast = reference(*args) if not _takes(x) else choose(args, kernel, reference)
+          tuple(pass_through), others, gathered_for)
+  takes = _takes(x) and all(_takes(t) for t in others)
+  cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
 
 
