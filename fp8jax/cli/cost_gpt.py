@@ -164,15 +164,16 @@ def memory_table(fp8, bf16) -> str:
   """Arguments, temp and total of both steps, their ratio, and the share of 80 GiB."""
   from fp8jax.lowering.memory import GIB, H100_MEMORY
 
-  header = f"{'memory':<32} {'arguments':>10} {'temp':>10} {'total':>10}  of 80 GiB"
+  width = max(32, len(fp8.label), len(bf16.label))  # labels whole, never cut
+  header = f"{'memory':<{width}} {'arguments':>10} {'temp':>10} {'total':>10}  of 80 GiB"
   lines = [header, "-" * len(header)]
   for report in (fp8, bf16):
     note = "" if report.fits() else "  (does not fit)"
-    lines.append(f"{report.label[:32]:<32} {report.arguments / GIB:>6.2f} GiB "
+    lines.append(f"{report.label:<{width}} {report.arguments / GIB:>6.2f} GiB "
                  f"{report.temp / GIB:>6.2f} GiB {report.total / GIB:>6.2f} GiB  "
                  f"{100 * report.total / H100_MEMORY:>5.0f}%{note}")
   ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
-  lines.append(f"{'FP8 / bf16':<32} {ratio(fp8.arguments, bf16.arguments):>10} "
+  lines.append(f"{'FP8 / bf16':<{width}} {ratio(fp8.arguments, bf16.arguments):>10} "
                f"{ratio(fp8.temp, bf16.temp):>10} {ratio(fp8.total, bf16.total):>10}")
   return "\n".join(lines)
 
