@@ -318,6 +318,24 @@ def test_compare_speedup_is_baseline_time_over_program_time():
   assert loaded["baseline"]["constants"]["hbm_bytes_per_s"] == 1e12
 
 
+def test_the_comparison_and_memory_tables_print_long_labels_whole_in_aligned_columns():
+  from fp8jax.cli.cost_gpt import memory_table
+  from fp8jax.lowering.memory import MemoryReport
+
+  label = "delayed, adamw_fp8, fp8 saved, 8 experts (top 2)"  # 49 characters
+  comparison = str(compare(cost_hlo(_PROGRAM_HLO, CONSTANTS, label=label),
+                           cost_hlo(_PROGRAM_HLO, CONSTANTS, label="bf16, adamw")))
+  memory = memory_table(*(MemoryReport(name, "H100", arguments=2**30, outputs=0, aliased=0,
+                                       temp=2**30) for name in (label, "bf16, adamw")))
+  for table, first_column in ((comparison, "kernels"), (memory, "arguments")):
+    header, _, *rows = table.splitlines()
+    # Each row's first number ends under its column's (right-aligned) header.
+    end = header.index(first_column) + len(first_column)
+    for name in (label, "bf16, adamw"):
+      row = next(line for line in rows if line.startswith(name + " "))
+      assert row[end - 1] != " " and row[end] == " ", table
+
+
 # ----- bad inputs ----------------------------------------------------------------------
 
 

@@ -176,6 +176,24 @@ def test_calibration_changes_no_weight_and_fills_every_history(tmp_path):
   assert len(resumed.losses) == 4
 
 
+def test_the_scale_heatmap_labels_layer_and_expert_separately():
+  from fp8jax.runs import plots
+
+  # The demo MoE GPT's state shapes: under nn.scan a layer axis, the expert weights' an
+  # expert axis after it; the head is not scanned.
+  dot = fp8jax.init_dot_meta(fp8jax.DelayedScaling())
+  stacked = lambda shape: jax.tree.map(lambda a: jax.numpy.broadcast_to(a, shape + a.shape),
+                                        dot)
+  state = {"blocks": {"mlp": {"w_in_meta": stacked((2, 4))}, "attention": stacked((2,))},
+           "head": dot}
+  names, scales = plots.scale_rows(metrics.finite(metrics.fp8_records(state)))
+  assert len(names) == len(scales) == 3 * 2 * 4 + 3 * 2 + 3
+  assert names.count("blocks/mlp/w_in_meta/kernel [layer 1, expert 3]") == 1
+  assert "blocks/attention/x [layer 1]" in names and "head/grad" in names
+  # A record of an older run, without its shape: its entries numbered.
+  old = {"blocks/mlp/w_in_meta/kernel": {"scale": [1.0] * 8}}
+  assert plots.scale_rows(old)[0][-1] == "blocks/mlp/w_in_meta/kernel [entry 7]"
+
 def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
   report = runs.compare(_quick_config(checkpoint_every=24), tmp_path,
                         recipes=("bf16", "delayed", "current"), progress=False)

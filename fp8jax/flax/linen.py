@@ -41,6 +41,7 @@ from fp8jax.core.meta import DotMeta, init_attention_meta, init_dot_meta
 from fp8jax.core.recipes import DelayedScaling, Recipe
 from fp8jax.ops.guards import detach_outside_step, guard_fp8_state
 
+#: The Flax collection that holds the FP8 layers' state (`Fp8Meta` per role).
 FP8_COLLECTION = "fp8_meta"
 
 default_kernel_init = nn.initializers.lecun_normal()

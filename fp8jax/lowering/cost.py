@@ -327,10 +327,12 @@ class CostComparison:
 
   def __str__(self) -> str:
     rows = [self.baseline.summary(), self.program.summary()]
-    header = f"{'program':<24} {'kernels':>8} {'GEMMs':>6} {'other':>6} {'MB moved':>10} {'us':>10}"
+    width = max(24, *(len(row["label"]) for row in rows))  # labels whole, never cut
+    header = (f"{'program':<{width}} {'kernels':>8} {'GEMMs':>6} {'other':>6} {'MB moved':>10} "
+              f"{'us':>10}")
     lines = [header, "-" * len(header)]
     for row in rows:
-      lines.append(f"{row['label'][:24]:<24} {row['kernel_launches']:>8} {row['gemm_launches']:>6} "
+      lines.append(f"{row['label']:<{width}} {row['kernel_launches']:>8} {row['gemm_launches']:>6} "
                    f"{row['non_gemm_launches']:>6} {row['bytes'] / 1e6:>10.1f} "
                    f"{row['predicted_time_s'] * 1e6:>10.1f}")
     if self.program.link_time_s or self.baseline.link_time_s:

@@ -97,7 +97,8 @@ from fp8jax.telemetry import TELEMETRY_COLLECTION
 SAVED_ACTIVATIONS = ("default", "fp8")
 ACTIVATION_DTYPE = jnp.bfloat16
 PARAM_DTYPE = jnp.float32
-VOCAB_SIZE = 256  # bytes
+#: Token ids are bytes: 256 of them.
+VOCAB_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +204,7 @@ class GptConfig:
     return self.saved_activations == "fp8"
 
 
+#: The demo sizes by name: `config_for(name)`.
 SIZES: dict[str, GptConfig] = {
     # tiny: the CPU demo size. Measured on 2 shared CPU cores (jax 0.10.2, batch
     # 16 x 128, jitted adamw train step, median after compile): 138 ms per step in

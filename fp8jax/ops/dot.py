@@ -53,6 +53,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.core.meta import (DotMeta, amaxes_unbatched_like, check_dot_meta, descale,
                               record_amax)
@@ -61,7 +62,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import match_operand_axes, varying_axes
 from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
-from fp8jax.ops import weight_reuse
+from fp8jax.ops import saved_activations, weight_reuse
 from fp8jax.ops.cast import amax_of_whole, cast_scale, quantize_with_meta
 from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
 from fp8jax.ops.fused_kernels import cast_from_amax, cast_in_chain
@@ -177,6 +178,8 @@ def _general_fwd(x, kernel, meta, dims):
       out = scaled_dot(qx, qk, scale_inv_x, scale_inv_k, dims, x.dtype)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
   # A high-precision backward GEMM reads the unquantized operand instead of its FP8 copy.
+  if "wgrad" not in high:
+    qx, scale_inv_x = saved_activations.named(qx, scale_inv_x, "dense_x")
   residuals = (x if "wgrad" in high else qx, kernel if "dgrad" in high else qk,
                scale_inv_x, scale_inv_k, meta.grad)
   return out, new_meta, residuals
@@ -396,8 +399,12 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
       grad=dataclasses.replace(meta.grad, scale=g_scale, amax_history=g_history, amax=g_amax))
   # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad);
   # the output gradient's cast accumulates its amax into the zeroed buffer x's left.
-  g_accumulator = x_cast.seeds[0] if chain else None
-  residuals = (x_cast.q_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator)
+  # Named, x's are what `saved_activations.policy()` keeps under remat (the kernel's
+  # copy is recomputed from the kernel, which remat keeps).
+  qx_t, scale_inv_x = saved_activations.named(x_cast.q_t, scale_inv_x, "dense_x")
+  g_accumulator = (checkpoint_name(x_cast.seeds[0], saved_activations.GRAD_AMAX_SEED)
+                   if chain else None)
+  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator)
   return out, new_meta, residuals
 
 

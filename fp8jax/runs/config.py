@@ -16,6 +16,7 @@ import fp8jax
 from fp8jax.core.recipes import import_recipe_class
 from fp8jax.models import gpt
 
+#: The demo's recipes by name (`--recipe`); "bf16" is no recipe.
 RECIPES = {
     "bf16": None,
     "delayed": fp8jax.DelayedScaling(amax_history_len=16),
