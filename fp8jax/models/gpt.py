@@ -88,7 +88,7 @@ from fp8jax.flax.linen_mlp import Fp8Mlp
 from fp8jax.models import gpt_moe
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
 from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
-from fp8jax.ops import saved_activations
+from fp8jax.ops import fused_kernels, saved_activations
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
@@ -511,7 +511,8 @@ class Gpt(nn.Module):
                                            gpt_moe.AUX_COLLECTION: 0},
                      split_rngs={"params": True}, length=c.n_layers,
                      unroll=min(c.scan_unroll or c.n_layers, c.n_layers))
-    x, _ = blocks(c, recipe, name="blocks")(x, None)
+    with fused_kernels.stacked_state():  # the blocks' FP8 state is sliced from a stack
+      x, _ = blocks(c, recipe, name="blocks")(x, None)
     h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, save_fp8=c.fp8_saved, name="final_norm")(x)
     table = embed.embedding
     if recipe is None:

@@ -62,7 +62,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import match_operand_axes, varying_axes
 from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
-from fp8jax.ops import saved_activations, weight_reuse
+from fp8jax.ops import fused_kernels, saved_activations, weight_reuse
 from fp8jax.ops.cast import amax_of_whole, cast_scale, quantize_with_meta
 from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
 from fp8jax.ops.fused_kernels import cast_from_amax, cast_in_chain
@@ -363,8 +363,12 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   # scale and history, the output gradient's amax): read from these copies, the
   # step's parameters die at the casts, so with the state donated the update writes
   # its results where they were instead of XLA copying each result there after it.
-  passed = (meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
-            meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
+  # Not for state sliced from a stack of layers (`fused_kernels.stacked_state`): the
+  # update reads the stack, not the per-layer copies, which would only add a slice and a
+  # copy per array and layer.
+  passed = () if fused_kernels.in_stacked_state() else (
+      meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
+      meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
   if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
@@ -391,7 +395,9 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
   out = explicit_mesh.reshape(out, layout.out_shape, layout.out_spec)
-  x_scale, x_history, k_scale, k_history, g_scale, g_history, g_amax = x_cast.passed
+  x_scale, x_history, k_scale, k_history, g_scale, g_history, g_amax = x_cast.passed or (
+      meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
+      meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
   new_meta = DotMeta(
       x=dataclasses.replace(meta.x, scale=x_scale, amax_history=x_history, amax=x_cast.amax),
       kernel=dataclasses.replace(meta.kernel, scale=k_scale, amax_history=k_history,

@@ -78,6 +78,33 @@ def fused_kernels(enabled: bool):
     _FORCED.reset(token)
 
 
+_STACKED = contextvars.ContextVar("fp8jax_stacked_state", default=False)
+
+
+@contextlib.contextmanager
+def stacked_state():
+  """The FP8 ops traced inside read state sliced from a stack of layers.
+
+  A layer's casts copy its FP8 state through (`cast_in_chain`'s `pass_through`) so that
+  the step's update, reading the copies, can write the donated state in place. Where
+  the state of a layer is a slice of a stack (an `nn.scan` over layers, unrolled or
+  not) the update reads the stack itself, and the copies would only cost a slice and a
+  copy per array and layer (the 350m GPT: 286 launches a step). A model that scans or
+  unrolls its layers over stacked FP8 state traces them inside this context, as the
+  demo GPT does (`fp8jax.models.gpt`).
+  """
+  token = _STACKED.set(True)
+  try:
+    yield
+  finally:
+    _STACKED.reset(token)
+
+
+def in_stacked_state() -> bool:
+  """Whether ops are being traced inside `stacked_state()`."""
+  return _STACKED.get()
+
+
 def kernels_allowed(*trees) -> bool:
   """Whether the fused kernels may take the arrays in `trees` (if lowered for a GPU).
 
