@@ -87,13 +87,14 @@ def predict(args, constants) -> int:
   (fp8_time, fp8_memory, fp8_attention), (bf16_time, bf16_memory, bf16_attention) = measured
   blocks = [] if args.summary else [fp8_time.table(), bf16_time.table()]
   experts = f", {fp8.experts} experts (top {fp8.top_k})" if fp8.experts else ""
+  chip = "" if args.chip == "h100" else f", predicted for an {args.chip.upper()}"
   blocks.append(f"the demo GPT {args.gpt}{experts}, batch {fp8.batch} x seq {seq}, train step "
-                f"(params, optimizer and FP8 state donated), on {fp8_time.target}")
+                f"(params, optimizer and FP8 state donated), on {fp8_time.target}{chip}")
   blocks.append(str(compare(fp8_time, bf16_time)))
-  blocks.append(memory_table(fp8_memory, bf16_memory))
+  blocks.append(memory_table(fp8_memory, bf16_memory, args.chip))
   blocks.append(attention_lines({fp8.label: fp8_attention, bf16.label: bf16_attention}))
   report = {"program": {"gpt": args.gpt, "batch": fp8.batch, "seq": seq, **moe},
-            "target": fp8_time.target,
+            "target": fp8_time.target, "chip": args.chip,
             "time": {"predicted_speedup": compare(fp8_time, bf16_time).speedup,
                      "fp8": fp8_time.summary(), "bf16": bf16_time.summary()},
             "memory": {"fp8": fp8_memory.to_dict(), "bf16": bf16_memory.to_dict()},
@@ -160,18 +161,21 @@ def _amount(n_bytes: int) -> str:
   return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB // 10 else f"{n_bytes / 2**20:.1f} MiB"
 
 
-def memory_table(fp8, bf16) -> str:
-  """Arguments, temp and total of both steps, their ratio, and the share of 80 GiB."""
-  from fp8jax.lowering.memory import GIB, H100_MEMORY
+def memory_table(fp8, bf16, chip: str = "h100") -> str:
+  """Arguments, temp and total of both steps, their ratio, and the share of the chip's memory."""
+  from fp8jax.lowering.memory import CHIP_MEMORY, GIB
+
+  capacity = CHIP_MEMORY[chip]
 
   width = max(32, len(fp8.label), len(bf16.label))  # labels whole, never cut
-  header = f"{'memory':<{width}} {'arguments':>10} {'temp':>10} {'total':>10}  of 80 GiB"
+  header = (f"{'memory':<{width}} {'arguments':>10} {'temp':>10} {'total':>10}  "
+            f"of {capacity // GIB} GiB")
   lines = [header, "-" * len(header)]
   for report in (fp8, bf16):
-    note = "" if report.fits() else "  (does not fit)"
+    note = "" if report.fits(capacity) else "  (does not fit)"
     lines.append(f"{report.label:<{width}} {report.arguments / GIB:>6.2f} GiB "
                  f"{report.temp / GIB:>6.2f} GiB {report.total / GIB:>6.2f} GiB  "
-                 f"{100 * report.total / H100_MEMORY:>5.0f}%{note}")
+                 f"{100 * report.total / capacity:>5.0f}%{note}")
   ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
   lines.append(f"{'FP8 / bf16':<{width}} {ratio(fp8.arguments, bf16.arguments):>10} "
                f"{ratio(fp8.temp, bf16.temp):>10} {ratio(fp8.total, bf16.total):>10}")

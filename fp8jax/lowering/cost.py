@@ -182,6 +182,10 @@ class CostConstants:
 H200 = CostConstants(fp8_gemm_flops_per_s=1.3e15, bf16_gemm_flops_per_s=690e12,
                      hbm_bytes_per_s=4.0e12, loop_kernel_overhead_s=3.25e-6)
 
+# The chips `fp8jax cost --chip` predicts for: a compile for the H100 (sm_90a) is the
+# H200's program too, run at the H200's constants.
+CHIP_CONSTANTS = {"h100": CostConstants(), "h200": H200}
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelCost:
