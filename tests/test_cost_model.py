@@ -336,6 +336,25 @@ def test_the_comparison_and_memory_tables_print_long_labels_whole_in_aligned_col
       assert row[end - 1] != " " and row[end] == " ", table
 
 
+def test_chip_h200_predicts_with_the_h200_constants_and_its_memory():
+  from fp8jax.cli.cost import _parse_constants
+  from fp8jax.cli.cost_gpt import memory_table
+  from fp8jax.lowering.cost import H200
+  from fp8jax.lowering.memory import MemoryReport
+
+  assert _parse_constants([], "h200") == H200
+  assert _parse_constants([], "h100") == CostConstants()
+  # --constant overrides the chip's value, and only it.
+  assert _parse_constants(["kernel_overhead_s=2e-6"], "h200") == dataclasses.replace(
+      H200, kernel_overhead_s=2e-6)
+  # 100 GiB does not fit an H100's 80 GiB and is 71% of an H200's 141.
+  reports = [MemoryReport(name, "H100", arguments=50 * 2**30, outputs=0, aliased=0,
+                          temp=50 * 2**30) for name in ("fp8", "bf16")]
+  assert "of 80 GiB" in memory_table(*reports) and "does not fit" in memory_table(*reports)
+  h200 = memory_table(*reports, "h200")
+  assert "of 141 GiB" in h200 and "71%" in h200 and "does not fit" not in h200
+
+
 # ----- bad inputs ----------------------------------------------------------------------
 
 
