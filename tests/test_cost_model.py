@@ -184,6 +184,27 @@ def test_a_multi_output_fusion_writes_only_the_update_of_its_in_place_output():
   assert k.bytes_out == 2 * SLICE_BYTES  # the update in place, and the second output
 
 
+def test_a_fusion_whose_result_is_an_elementwise_op_of_a_parameter_reads_all_of_it():
+  # A weight's bf16 copy (XLA's `wrapped_convert`): every element of the result is
+  # computed, so every element of the f32 parameter is read.
+  hlo = textwrap.dedent("""\
+      HloModule m
+
+      %wrapped_convert_computation (p0: f32[1024,128]) -> bf16[1024,128] {
+        %p0 = f32[1024,128]{1,0} parameter(0)
+        ROOT %convert.1 = bf16[1024,128]{1,0} convert(%p0)
+      }
+
+      ENTRY %main (w: f32[1024,128]) -> bf16[1024,128] {
+        %w = f32[1024,128]{1,0} parameter(0)
+        ROOT %wrapped_convert = bf16[1024,128]{1,0} fusion(%w), kind=kLoop, calls=%wrapped_convert_computation
+      }
+      """)
+  (k,) = cost_hlo(hlo, CONSTANTS).kernels
+  assert k.bytes_in == 1024 * 128 * 4
+  assert k.bytes_out == 1024 * 128 * 2
+
+
 # ----- loops ---------------------------------------------------------------------------
 
 _LOOP_HLO = textwrap.dedent("""\

@@ -641,7 +641,10 @@ def _read_bytes(computation: Computation, name: str, whole: float, in_place: set
 
   A fusion computes each element of its results from the elements they need, so a
   slice behind an elementwise op (a `convert` of a whole stacked weight, then one
-  layer's slice of it) reads only the sliced part too."""
+  layer's slice of it) reads only the sliced part too. The fusion's result is
+  written whole, so a value that is its root is read whole."""
+  if name == computation.root:
+    return whole
   total = 0.0
   for user in computation.instructions.values():
     if name not in user.operands:
