@@ -38,7 +38,6 @@ RETURNS_NOT_YET_DOCUMENTED = {
     "fp8jax.deviceless.h100_target_description",
     "fp8jax.deviceless.on_h100",
     "fp8jax.differentiating_fp8_state",
-    "fp8jax.flax.default_layer_filter",
     "fp8jax.flax.linen.dot_meta_variable",
     "fp8jax.flax.linen.fp8_variable",
     "fp8jax.flax.linen.read_meta",

@@ -115,7 +115,7 @@ class Session:
                    else "layer_filter")
     decision = decide(self.rules, layer, self.layer_filter, self.recipe, filter_name)
     if decision.recipe is None:
-      self._record(layer, None, decision.reason)
+      self._record(layer, None, decision.reason, decision.predicted)
       return next_fun(*args, **kwargs)
     if plan.blocker is not None:
       return self._stays_high_precision(layer, plan.blocker, next_fun(*args, **kwargs))
@@ -132,7 +132,7 @@ class Session:
     with self._fp8_op():
       y, new_meta = plan.fp8(kernel, bias, meta)
     self._write_state(frame, "dot_meta", new_meta)
-    self._record(layer, decision.recipe, decision.reason)
+    self._record(layer, decision.recipe, decision.reason, decision.predicted)
     return y
 
   # ----- dots a module calls itself ----------------------------------------------------
@@ -150,7 +150,7 @@ class Session:
     decision = decide(self.rules, dot, default_layer_filter, self.recipe,
                       "default_layer_filter")
     if decision.recipe is None:
-      self._record(dot, None, decision.reason)
+      self._record(dot, None, decision.reason, decision.predicted)
       return self._pass_on(original, args, kwargs)
     if call.blocker is not None:
       return self._stays_high_precision(dot, call.blocker,
@@ -162,7 +162,7 @@ class Session:
     with self._fp8_op():
       y, new_meta = fp8_dot_call(call, meta)
     self._write_state(frame, name, new_meta)
-    self._record(dot, decision.recipe, decision.reason)
+    self._record(dot, decision.recipe, decision.reason, decision.predicted)
     return y
 
   # ----- state -------------------------------------------------------------------------
@@ -242,10 +242,10 @@ class Session:
     self._record(dot, None, f"unsupported: {why.rstrip('.')}")
     return out
 
-  def _record(self, dot: LayerInfo, recipe, reason: str) -> None:
+  def _record(self, dot: LayerInfo, recipe, reason: str, predicted=None) -> None:
     key = tuple(dot.path) + (dot.kind,)
     if key not in self.records:
-      self.records[key] = DotRecord.of(dot, recipe, reason)
+      self.records[key] = DotRecord.of(dot, recipe, reason, predicted)
 
 
 _NOT_CARRIED = (f"it runs inside a lifted transform (nn.scan, nn.vmap, ...) that does not carry "
