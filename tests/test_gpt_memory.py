@@ -217,6 +217,7 @@ def test_cost_gpt_prints_memory_beside_time_and_the_hopper_attention(small_gpt, 
 
 @pytest.mark.parametrize("argv,message", [
     (["cost", "--fit", "80GiB"], "--fit applies to the demo GPT: add --gpt SIZE"),
+    (["cost", "--fp8-layers", "auto"], "--fp8-layers applies to the demo GPT: add --gpt SIZE"),
     (["cost", "--gpt", "tiny", "--fit", "lots"], "--fit: 'lots' is not an amount of memory"),
     (["cost", "--gpt", "huge"], "--gpt 'huge' is not one of"),
     (["cost", "--gpt", "tiny", "--widths", "8,8"], "--gpt compiles the demo GPT's step"),

@@ -253,6 +253,7 @@ def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path
     (["--steps", "0"], "--steps 0 must be a positive integer"),
     (["--recipe", "fp4"], "--recipe 'fp4' is not one of"),
     (["--size", "huge"], "--size 'huge' is not one of"),
+    (["--fp8-layers", "some"], "--fp8-layers 'some' is not one of"),
 ])
 def test_bad_input_is_one_line_never_a_traceback(argv, message, tmp_path, capsys):
   status = main(["train", "--out", str(tmp_path / "run"), *argv])
@@ -283,6 +284,19 @@ def test_a_checkpoint_of_another_size_is_refused_in_one_line(tmp_path, capsys):
   status = main(["train", "--out", str(tmp_path / "tiny"), "--init-from", newest])
   err = capsys.readouterr().err.strip()
   assert status == 2 and "already holds a run's checkpoints" in err
+
+
+def test_fp8_state_of_other_fp8_layers_is_refused(monkeypatch):
+  # --fp8-layers auto keeps the tiny model's projections in bf16, without their FP8 state:
+  # the FP8 state of an "all" run does not fit it, resumed or as a new run's start.
+  saved = _quick_config(recipe="delayed")
+  monkeypatch.setattr(checkpoints, "saved_config", lambda path: (saved, 2))
+  auto = saved.replace(fp8_layers="auto")
+  with pytest.raises(runs.RunError, match="fp8_layers='all', this run has fp8_layers='auto'"):
+    checkpoints.restore("ckpt", auto, corpus=None, continuing=True)
+  with pytest.raises(runs.RunError, match="FP8 state of --fp8-layers all and this run is "
+                                          "--fp8-layers auto; pass --fp8-layers all"):
+    checkpoints.restore("ckpt", auto, corpus=None, continuing=False)
 
 
 def test_compare_refuses_a_recipe_named_twice_before_training(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
     fp8jax cost --gpt 1b --batch 8 --seq 2048             # time and memory, FP8 vs bf16
     fp8jax cost --gpt 1b --seq 2048 --fit 80GiB           # the largest batch of each that fits
+    fp8jax cost --gpt 125m --fp8-layers auto              # FP8 only where it pays
 
 The FP8 step uses the memory features by default (FP8 Adam moments, FP8 saved
 activations); `--optimizer adamw --saved-activations default` gives the plain FP8 model.
@@ -29,6 +30,10 @@ def add_gpt_options(parser, recipes) -> None:
   group.add_argument("--saved-activations", choices=("default", "fp8"), default=None,
                      help="with --gpt: what the FP8 step's backward keeps of norms, GELU and "
                           "attention output (default fp8)")
+  group.add_argument("--fp8-layers", choices=("all", "auto"), default=None,
+                     help="with --gpt: the FP8 step's projections in FP8: all (default), or "
+                          "auto: where the cost model predicts FP8 no slower than bf16 "
+                          "(GptConfig.fp8_layers)")
   group.add_argument("--experts", type=int, metavar="E", default=None,
                      help="with --gpt: each block's MLP a mixture of E experts (both steps; "
                           "the FP8 one runs its expert GEMMs on the grouped FP8 kernels)")
@@ -44,6 +49,7 @@ def gpt_flags_without_gpt(args) -> list[str]:
   """The GPT-only options given without --gpt (each is an error)."""
   return [flag for flag, value in (("--optimizer", args.optimizer),
                                    ("--saved-activations", args.saved_activations),
+                                   ("--fp8-layers", args.fp8_layers),
                                    ("--experts", args.experts), ("--top-k", args.top_k),
                                    ("--fit", args.fit)) if value is not None]
 
@@ -75,7 +81,8 @@ def predict(args, constants) -> int:
                                  seq=seq,
                                  recipe=args.recipe or "delayed",
                                  optimizer=args.optimizer or "adamw_fp8",
-                                 saved_activations=args.saved_activations or "fp8", **moe)
+                                 saved_activations=args.saved_activations or "fp8",
+                                 fp8_layers=args.fp8_layers or "all", **moe)
     bf16 = gpt_program.GptProgram(size=args.gpt, batch=fp8.batch, seq=seq, recipe="bf16",
                                   optimizer="adamw", saved_activations="default", **moe)
   except RunError as e:
@@ -93,7 +100,10 @@ def predict(args, constants) -> int:
   blocks.append(str(compare(fp8_time, bf16_time)))
   blocks.append(memory_table(fp8_memory, bf16_memory, args.chip))
   blocks.append(attention_lines({fp8.label: fp8_attention, bf16.label: bf16_attention}))
-  report = {"program": {"gpt": args.gpt, "batch": fp8.batch, "seq": seq, **moe},
+  if fp8.fp8_layers == "auto":
+    blocks.append(fp8_layers_line(fp8))
+  report = {"program": {"gpt": args.gpt, "batch": fp8.batch, "seq": seq, **moe,
+                       "fp8_layers": fp8.fp8_layers},
             "target": fp8_time.target, "chip": args.chip,
             "time": {"predicted_speedup": compare(fp8_time, bf16_time).speedup,
                      "fp8": fp8_time.summary(), "bf16": bf16_time.summary()},
@@ -201,6 +211,17 @@ def fit_lines(fits: dict, capacity: int) -> str:
   if bf16_batch:
     lines.append(f"  FP8 / bf16: {fp8_batch / bf16_batch:.2f}x")
   return "\n".join(lines)
+
+
+def fp8_layers_line(program) -> str:
+  """Which projections the FP8 step runs in FP8 under --fp8-layers auto."""
+  from fp8jax.models import gpt_fp8_layers
+  from fp8jax.runs.config import base_recipe
+
+  fp8 = gpt_fp8_layers.fp8_projections(program.config(), base_recipe(program.recipe))
+  bf16 = [name for name in gpt_fp8_layers.PROJECTIONS if name not in fp8]
+  return (f"projections (--fp8-layers auto): in FP8 {', '.join(fp8) or 'none'}; in bf16 "
+          f"{', '.join(bf16) or 'none'} (the cost model at 4096 tokens)")
 
 
 def _choice_dict(choice) -> dict:

@@ -35,6 +35,8 @@ output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
 the same places run `nn.DenseGeneral` / `nn.Dense`, `jnp.einsum` and
 `fp8jax.attention`, under the same parameter names and shapes, so parameters
 move freely between the two (a bf16 checkpoint loads into the FP8 model).
+`GptConfig.fp8_layers="auto"` keeps in bf16 the projections where the cost model
+predicts FP8 slower (`fp8jax.models.gpt_fp8_layers`); their state is then absent.
 
 The "fp8_meta" collection follows `fp8jax.flax.linen`'s conventions:
 
@@ -85,7 +87,7 @@ from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
 from fp8jax.flax.linen_mlp import Fp8Mlp
-from fp8jax.models import gpt_moe
+from fp8jax.models import gpt_fp8_layers, gpt_moe
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
 from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
 from fp8jax.ops import fused_kernels, saved_activations
@@ -150,6 +152,9 @@ class GptConfig:
     top_k: with experts, the experts each token is routed to (1 <= top_k <= experts).
     aux_loss_weight: with experts, the weight of the load-balancing loss (summed over the
       layers) in the training objective (`gpt_moe.load_balancing_loss`).
+    fp8_layers: with a recipe, which projections run in FP8: "all" (the default), or
+      "auto", those where the cost model predicts FP8 no slower than bf16 (the default
+      layer filter's choice; `fp8jax.models.gpt_fp8_layers`), the others in bf16.
   """
 
   d_model: int
@@ -169,6 +174,7 @@ class GptConfig:
   experts: int = 0
   top_k: int = 2
   aux_loss_weight: float = 0.01
+  fp8_layers: str = "all"
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
@@ -189,6 +195,7 @@ class GptConfig:
       raise ValueError(f"GptConfig.attention_backend={self.attention_backend!r} is not one of "
                        f"{BACKENDS} (or None to let fp8jax choose).")
     gpt_moe.check_fields(self.experts, self.top_k, self.aux_loss_weight)
+    gpt_fp8_layers.check_fp8_layers(self.fp8_layers)
 
   @property
   def head_dim(self) -> int:
@@ -366,6 +373,10 @@ def _writes_amax(recipe: Recipe | None) -> bool:
   return False
 
 
+# The recipe of one projection under GptConfig.fp8_layers (None: bf16).
+_projection_recipe = gpt_fp8_layers.projection_recipe
+
+
 def _residual_std(config: GptConfig) -> float:
   return config.init_std / math.sqrt(2 * config.n_layers)
 
@@ -388,8 +399,9 @@ class CausalSelfAttention(nn.Module):
     # One projection reads h once (in FP8: one cast of h and of the kernel, one GEMM).
     # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
     # split over a tensor-parallel axis stay whole blocks of the flattened GEMM.
-    qkv = _project(_dense_general(recipe, (c.n_heads, 3, c.head_dim), std=c.init_std,
-                                  name="qkv"), x, x_amax)
+    qkv = _project(_dense_general(_projection_recipe(c, recipe, "qkv"),
+                                  (c.n_heads, 3, c.head_dim), std=c.init_std, name="qkv"),
+                   x, x_amax)
     q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
@@ -402,8 +414,8 @@ class CausalSelfAttention(nn.Module):
       store_dot_meta(self, variable, new_meta)
     else:
       out = attention(q, k, v, causal=True, backend=c.attention_backend)
-    return _dense_general(recipe, c.d_model, axis=(-2, -1), std=_residual_std(c),
-                          name="out")(out)
+    return _dense_general(_projection_recipe(c, recipe, "out"), c.d_model, axis=(-2, -1),
+                          std=_residual_std(c), name="out")(out)
 
 
 class Mlp(nn.Module):
@@ -418,14 +430,15 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
     c = self.config
-    h = _project(_dense(self.recipe, c.d_ff, std=c.init_std, name="up"), x, x_amax)
+    h = _project(_dense(_projection_recipe(c, self.recipe, "up"), c.d_ff, std=c.init_std,
+                        name="up"), x, x_amax)
     h_amax = None
     if _writes_amax(self.recipe):
       h, h_amax = gelu(h, save_fp8=c.fp8_saved, return_amax=True)
     else:
       h = gelu(h, save_fp8=c.fp8_saved)
-    return _project(_dense(self.recipe, c.d_model, std=_residual_std(c), name="down"), h,
-                    h_amax)
+    return _project(_dense(_projection_recipe(c, self.recipe, "down"), c.d_model,
+                           std=_residual_std(c), name="down"), h, h_amax)
 
 
 class Block(nn.Module):
@@ -449,7 +462,8 @@ class Block(nn.Module):
       return x + gpt_moe.moe_mlp(c, self.recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
                                  name="mlp")(h[0]), None
-    if self.recipe is None or amax:
+    mlp_fp8 = {_projection_recipe(c, self.recipe, name) for name in ("up", "down")}
+    if None in mlp_fp8 or amax:
       return x + Mlp(c, self.recipe, name="mlp")(*h), None
     # Both projections and the GELU as one op, the GELU done by the FP8 casts.
     return x + Fp8Mlp(c.d_ff, recipe=self.recipe, dtype=ACTIVATION_DTYPE,
@@ -497,6 +511,7 @@ class Gpt(nn.Module):
     c, recipe = self.config, self.recipe
     if recipe is not None:
       check_recipe(recipe, "recipe")
+      gpt_fp8_layers.warn_if_no_projection_in_fp8(c, recipe)
     _check_tokens(tokens, c)
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=ACTIVATION_DTYPE, param_dtype=PARAM_DTYPE,
                      embedding_init=nn.initializers.normal(c.init_std), name="embed")
@@ -515,7 +530,7 @@ class Gpt(nn.Module):
       x, _ = blocks(c, recipe, name="blocks")(x, None)
     h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, save_fp8=c.fp8_saved, name="final_norm")(x)
     table = embed.embedding
-    if recipe is None:
+    if _projection_recipe(c, recipe, "head") is None:
       return jnp.einsum("bsd,vd->bsv", h.astype(ACTIVATION_DTYPE),
                         table.astype(ACTIVATION_DTYPE), preferred_element_type=jnp.float32)
     return TiedOutput(recipe, name="head")(h, table)

@@ -47,6 +47,8 @@ class GptProgram:
     saved_activations: "default" or "fp8" (`GptConfig.saved_activations`).
     experts, top_k: the MLP of each block as a mixture of `experts` experts, each token
       routed to `top_k` (`GptConfig.experts`; 0 keeps the dense MLP).
+    fp8_layers: "all" or "auto", the projections that run in FP8 under the recipe
+      (`GptConfig.fp8_layers`).
   """
 
   size: str
@@ -57,6 +59,7 @@ class GptProgram:
   saved_activations: str = "default"
   experts: int = 0
   top_k: int = 2
+  fp8_layers: str = "all"
 
   def __post_init__(self):
     if self.size not in gpt.SIZES:
@@ -82,12 +85,14 @@ class GptProgram:
     parts = [self.recipe, self.optimizer]
     if self.saved_activations != "default":
       parts.append(f"{self.saved_activations} saved")
+    if self.fp8_layers != "all" and self.recipe != "bf16":
+      parts.append(f"{self.fp8_layers} FP8 layers")
     return ", ".join(parts)
 
   def config(self) -> gpt.GptConfig:
     return gpt.config_for(self.size, seq_len=self.seq,
                           saved_activations=self.saved_activations, experts=self.experts,
-                          top_k=self.top_k)
+                          top_k=self.top_k, fp8_layers=self.fp8_layers)
 
 
 def train_step(program: GptProgram):

@@ -62,10 +62,11 @@ def _key(config: RunConfig) -> tuple:
 
 
 def model_config(config: RunConfig) -> gpt.GptConfig:
-  """The `GptConfig` of a run: its size, sequence length, saved activations and experts."""
+  """The `GptConfig` of a run: its size, sequence length, saved activations, experts and
+  FP8 layers."""
   return gpt.config_for(config.size, seq_len=config.seq,
                         saved_activations=config.saved_activations, experts=config.experts,
-                        top_k=config.top_k)
+                        top_k=config.top_k, fp8_layers=config.fp8_layers)
 
 
 @functools.lru_cache(maxsize=8)
