@@ -49,15 +49,15 @@ from fp8jax.core.recipes import GEMMS, DelayedScaling
 from fp8jax.core.validation import check_int
 from fp8jax.step.training import value_and_grad
 
-# cuBLASLt's FP8 GEMM wants dims in multiples of 16; the search steps by it.
+#: cuBLASLt's FP8 GEMM wants dims in multiples of 16; the search steps by it.
 DIM_MULTIPLE = 16
-# The tokens M of a layer's GEMMs (rows of x per device and step) that the default layer
-# filter decides at, since a model is initialized before it sees a training batch.
-# FP8's extra launches are fixed while what its GEMMs save and what its casts of x and
-# the gradient cost grow with M, so a layer predicted to gain at 4096 tokens gains at
-# every larger step too (tests/test_layer_filter.py checks it over a grid of K and N):
-# 2 x 2048, 4 x 1024, 8 x 1024 (the demo GPT's 350m). Below 4096 tokens some layers it
-# chooses are slower in FP8.
+#: The tokens M of a layer's GEMMs (rows of x per device and step) that the default layer
+#: filter decides at, since a model is initialized before it sees a training batch.
+#: FP8's extra launches are fixed while what its GEMMs save and what its casts of x and
+#: the gradient cost grow with M, so a layer predicted to gain at 4096 tokens gains at
+#: every larger step too (tests/test_layer_filter.py checks it over a grid of K and N):
+#: 2 x 2048, 4 x 1024, 8 x 1024 (the demo GPT's 350m). Below 4096 tokens some layers it
+#: chooses are slower in FP8.
 DECISION_TOKENS = 4096
 _FP8, _BF16 = "f8e4m3fn", "bf16"
 

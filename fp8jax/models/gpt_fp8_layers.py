@@ -25,12 +25,18 @@ import warnings
 from fp8jax.core.recipes import Recipe
 from fp8jax.flax.layer_filter import LayerInfo, default_layer_filter
 
+#: The values of `GptConfig.fp8_layers`.
 FP8_LAYERS = ("all", "auto")
+#: The GPT's projections, in the order of a block and then the tied head.
 PROJECTIONS = ("qkv", "out", "up", "down", "head")
 
 
 def check_fp8_layers(value) -> None:
-  """Raises ValueError unless `value` is one of `FP8_LAYERS`."""
+  """Raises ValueError unless `value` is one of `FP8_LAYERS`.
+
+  Returns:
+    None; a bad value raises.
+  """
   if value not in FP8_LAYERS:
     raise ValueError(f"GptConfig.fp8_layers={value!r} is not one of {FP8_LAYERS}: \"all\" "
                      "runs every projection in FP8 under a recipe, \"auto\" those where the "
@@ -38,7 +44,13 @@ def check_fp8_layers(value) -> None:
 
 
 def projection(config, name: str) -> LayerInfo:
-  """The `LayerInfo` the default filter sees for projection `name` of `PROJECTIONS`."""
+  """The `LayerInfo` the default filter sees for projection `name` of `PROJECTIONS`.
+
+  Returns:
+    Its path (e.g. ("blocks", "attention", "qkv")), kind and kernel dims: qkv [d] x
+    [heads, 3, head_dim], out [heads, head_dim] x [d], up [d] x [d_ff], down [d_ff] x
+    [d], head [d] x [vocab].
+  """
   d, heads, head_dim = config.d_model, config.n_heads, config.head_dim
   shapes = {"qkv": ("attention", "DenseGeneral", (d,), (heads, 3, head_dim)),
             "out": ("attention", "DenseGeneral", (heads, head_dim), (d,)),
@@ -53,21 +65,33 @@ def projection(config, name: str) -> LayerInfo:
 
 
 def projection_recipe(config, recipe: Recipe | None, name: str) -> Recipe | None:
-  """The recipe projection `name` runs with: `recipe`, or None (bf16) where
-  `config.fp8_layers` is "auto" and the default layer filter does not choose it."""
+  """The recipe projection `name` of `PROJECTIONS` runs with.
+
+  Returns:
+    `recipe`, or None (bf16) where `config.fp8_layers` is "auto" and the default layer
+    filter does not choose the projection's shape.
+  """
   if recipe is None or config.fp8_layers == "all":
     return recipe
   return recipe if default_layer_filter(projection(config, name)) else None
 
 
 def fp8_projections(config, recipe: Recipe | None) -> tuple[str, ...]:
-  """The projections that run in FP8 (of `PROJECTIONS`, in that order)."""
+  """Which projections run in FP8.
+
+  Returns:
+    Their names, of `PROJECTIONS` in that order (() without a recipe).
+  """
   return tuple(name for name in PROJECTIONS
                if projection_recipe(config, recipe, name) is not None)
 
 
 def warn_if_no_projection_in_fp8(config, recipe: Recipe | None) -> None:
-  """Warns when a recipe is given but "auto" keeps every projection in bf16."""
+  """Warns when a recipe is given but "auto" keeps every projection in bf16.
+
+  Returns:
+    None.
+  """
   if recipe is not None and config.fp8_layers == "auto" and not fp8_projections(config, recipe):
     warnings.warn(
         f"fp8jax: GptConfig.fp8_layers='auto' runs none of this d_model={config.d_model} "
