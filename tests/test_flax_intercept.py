@@ -351,12 +351,8 @@ def test_fp8_model_rejects_a_filter_that_is_not_a_function_or_returns_no_bool():
 _MISSING = deviceless_toolchain_missing()
 
 
-@pytest.mark.hopper
-@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
-def test_on_h100_the_chosen_layers_gemms_are_fp8_and_the_others_are_not():
-  x = jax.ShapeDtypeStruct(X_SHAPE, jnp.bfloat16)
-  target = jax.ShapeDtypeStruct(X_SHAPE[:2] + (16,), jnp.bfloat16)
-  fp8_model = Fp8Model(Net(), layer_filter=NOT_HEAD)
+def _h100_gemms(fp8_model, x, target):
+  """The lowering report of an FP8 train step of `fp8_model`, compiled for an H100."""
   variables = jax.eval_shape(fp8_model.init, jax.random.key(1), x)
 
   def step(params, fp8_state, x, target):
@@ -366,9 +362,17 @@ def test_on_h100_the_chosen_layers_gemms_are_fp8_and_the_others_are_not():
       return jnp.mean((out.astype(jnp.float32) - target) ** 2), updates["fp8_meta"]
     return fp8jax.value_and_grad(loss_fn)(params, fp8_state)
 
-  report = fp8jax.lowering.inspect(step, variables["params"], variables["fp8_meta"], x, target,
-                                   target="deviceless", ptx=False,
-                                   compiler_options=fp8jax.lowering.CUBLAS_ONLY_OPTIONS)
+  return fp8jax.lowering.inspect(step, variables["params"], variables["fp8_meta"], x, target,
+                                 target="deviceless", ptx=False,
+                                 compiler_options=fp8jax.lowering.CUBLAS_ONLY_OPTIONS)
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_on_h100_the_chosen_layers_gemms_are_fp8_and_the_others_are_not():
+  x = jax.ShapeDtypeStruct(X_SHAPE, jnp.bfloat16)
+  target = jax.ShapeDtypeStruct(X_SHAPE[:2] + (16,), jnp.bfloat16)
+  report = _h100_gemms(Fp8Model(Net(), layer_filter=NOT_HEAD), x, target)
   # 6 chosen layers x (fprop, dgrad, wgrad), less the dgrads of query, key and value
   # (x is not differentiated). The head and the attention's two einsums stay high precision.
   assert report.num_fp8 == 6 * 3 - 3, str(report)
@@ -381,19 +385,7 @@ def test_on_h100_the_default_filter_runs_the_chosen_layers_gemms_in_fp8_and_the_
   n = BREAK_EVEN_SIZE
   x = jax.ShapeDtypeStruct((16, n), jnp.bfloat16)
   target = jax.ShapeDtypeStruct((16, n - 16), jnp.bfloat16)
-  fp8_model = Fp8Model(TwoLayers())
-  variables = jax.eval_shape(fp8_model.init, jax.random.key(1), x)
-
-  def step(params, fp8_state, x, target):
-    def loss_fn(params, fp8_state):
-      out, updates = fp8_model.apply({"params": params, "fp8_meta": fp8_state}, x,
-                                     mutable=["fp8_meta"])
-      return jnp.mean((out.astype(jnp.float32) - target) ** 2), updates["fp8_meta"]
-    return fp8jax.value_and_grad(loss_fn)(params, fp8_state)
-
-  report = fp8jax.lowering.inspect(step, variables["params"], variables["fp8_meta"], x, target,
-                                   target="deviceless", ptx=False,
-                                   compiler_options=fp8jax.lowering.CUBLAS_ONLY_OPTIONS)
+  report = _h100_gemms(Fp8Model(TwoLayers()), x, target)
   # "big" (K = N = n): its fprop and wgrad as cuBLASLt FP8 GEMMs (x is not differentiated,
   # so it has no dgrad). "small" (N = n - 16): its three GEMMs in bf16.
   fp8 = sorted(g.role for g in report.gemms if g.runs_in_fp8)
