@@ -135,7 +135,8 @@ def test_the_explanation_gives_the_predicted_times_and_the_reason():
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(tokens=0), ValueError, r"tokens=0 must be a positive int"),
     (dict(tokens=True), ValueError, r"tokens=True must be a positive int"),
-    (dict(constants={"hbm_bytes_per_s": 1e12}), TypeError, "must be a fp8jax.lowering.CostConstants"),
+    (dict(constants={"hbm_bytes_per_s": 1e12}), TypeError,
+     "must be a fp8jax.lowering.CostConstants"),
 ])
 def test_a_cost_model_filter_rejects_bad_settings(kwargs, error, message):
   with pytest.raises(error, match=message):

@@ -21,5 +21,5 @@ from fp8jax.flax.convert import convert_to_fp8
 from fp8jax.flax.nnx_step import nnx_value_and_grad
 
 __all__ = ["TrainState", "from_flax_fp8_ops", "to_flax_fp8_ops", "LayerInfo",
-           "default_layer_filter", "CostModelFilter", "Fp8Rule", "Fp8Report", "DotRecord", "Fp8Model",
-           "fp8_dense_layers", "convert_to_fp8", "nnx_value_and_grad"]
+           "default_layer_filter", "CostModelFilter", "Fp8Rule", "Fp8Report", "DotRecord",
+           "Fp8Model", "fp8_dense_layers", "convert_to_fp8", "nnx_value_and_grad"]

@@ -462,8 +462,8 @@ class Block(nn.Module):
       return x + gpt_moe.moe_mlp(c, self.recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
                                  name="mlp")(h[0]), None
-    mlp_fp8 = {_projection_recipe(c, self.recipe, name) for name in ("up", "down")}
-    if None in mlp_fp8 or amax:
+    mlp_recipes = {_projection_recipe(c, self.recipe, name) for name in ("up", "down")}
+    if None in mlp_recipes or amax:  # a projection in bf16: no fused FP8 MLP
       return x + Mlp(c, self.recipe, name="mlp")(*h), None
     # Both projections and the GELU as one op, the GELU done by the FP8 casts.
     return x + Fp8Mlp(c.d_ff, recipe=self.recipe, dtype=ACTIVATION_DTYPE,

@@ -13,7 +13,7 @@
 What "auto" runs in FP8 (`fp8_projections`), by size: tiny, small: none (a warning
 says so); 125m (d = 768): qkv, up, down (out, [768, 768], is predicted 0.86x); 350m:
 qkv, up, down (out, [1024, 1024]: 0.996x at 4096 tokens); 1b: qkv, out, up, down. The
-tied head (N = 256 bytes) stays in bf16 at every size. Attention follows
+tied head (N = 256, the byte vocabulary) stays in bf16 at every size. Attention follows
 `GptConfig.fp8_attention`, and with `GptConfig.experts` the experts' grouped GEMMs
 follow the recipe: "auto" decides the dense projections. Whole train steps, deviceless
 H100, `fp8jax cost --gpt SIZE --optimizer adamw --saved-activations default` ("all",
