@@ -18,7 +18,9 @@ Categories (`CATEGORIES`, in the order the rules try them; the first rule that m
   gemm_other      GEMMs on other operands (f32 runs as TF32) or whose dtype is unknown
   attention       fused attention kernels: cuDNN's, fp8jax's Pallas and Mosaic ones
   fp8_cast        FP8 quantization: the `cast_transpose_amax` / `amax` Pallas kernels, and
-                  any other kernel that writes an FP8 array and is not a norm
+                  any other kernel of the forward or backward pass that writes an FP8 array
+                  (a norm's kernel that writes FP8 counts as the norm's, the FP8 optimizer
+                  moments' kernels as the optimizer's)
   fp8_state       the FP8 state's update (`fp8_scale_update`, the step's closing of the state)
   optimizer       kernels outside the forward and backward pass: gradient clipping and the
                   optimizer's update (and a few constants computed once, e.g. rotary tables)
