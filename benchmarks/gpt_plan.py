@@ -2,23 +2,26 @@
 
 A row is one demo GPT train step to compile, time and profile (`benchmarks.gpt.run_row`).
 `GPT_ROWS` and `MOE_ROWS` are the check's rows in the order they run, which is also their
-priority: with too little time left for a row, `Budget` drops it (and the rows after it
-that do not fit either), so the first rows are the last to go:
+priority: with too little time left for a row, `Budget` drops it (and goes on with the
+rows after it that still fit), so the first rows are the last to go:
 
-  1. 350m (batch 8 x 1024) bf16 and FP8 delayed scaling: the pair the issue's 1.15x target is on
-  2. 1b (batch 8 x 2048) bf16 and FP8 delayed: the 1.35x target
-  3. 350m FP8 delayed with the memory features (FP8 AdamW moments, FP8 saved activations),
+  1. 350m (batch 8 x 1024) bf16 and FP8 delayed scaling: the pair of the 1.15x target
+  2. 1b (batch 8 x 2048) bf16 and FP8 delayed: the pair of the 1.35x target
+  3. the MoE GPT (125m, 8 experts, top-2, batch 32): bf16 (JAX's grouped GEMMs) and FP8
+     delayed with the memory features (fp8jax's grouped kernels); its section runs after
+     the dense rows, which leave it its estimated time (only the two pairs may take it)
+  4. 350m FP8 delayed with the memory features (FP8 AdamW moments, FP8 saved activations),
      then 350m FP8 current scaling
-  4. the same two at 1b
-  MoE: the 125m GPT with 8 experts, top-2, batch 32: bf16 (JAX's grouped GEMMs) and FP8
-  delayed with the memory features (fp8jax's grouped kernels); the check reserves their
-  time before the dense rows start, so they come right after the two pairs.
+  5. the same two at 1b
+
+So when time is short the 1b variants go first, then the 350m ones, then the MoE rows.
+A bf16 row runs only if its FP8 partner fits too (`fp8_partner`).
 
 A row's seconds are the device machine's wall clock for it: building and compiling the
 step, initializing the model, the timed steps, the profiled steps and reading the trace
 and the program. `estimate_s` is what a row is expected to take on an H200's host; the
-estimates are (deviceless H100 compile CPU-seconds of the same step on a 2-core build
-machine) x 2 + its steps at the cost model's predicted step time, the factor 2 from the
+estimates are (deviceless H100 compile CPU-seconds of the same step on a 2-core CPU)
+x 2 + its steps at the cost model's predicted step time, the factor 2 from the
 first H200 check (its 350m rows with the layers rolled took 14 s each where their
 deviceless compiles took 5-9 CPU-seconds). The deviceless compiles of the unrolled steps:
 350m bf16 12.4 s, delayed 18.9 s, current 25.8 s, delayed with the memory features 31.2 s;
@@ -46,6 +49,7 @@ class Row:
     experts, top_k: MoE layers (0 experts: dense).
     layers: the number of blocks, None for the size's (smoke runs use 1).
     estimate_s: the seconds the row is expected to take on the device machine.
+    essential: whether the row may take the time kept for the MoE rows (`Budget`).
   """
 
   size: str
@@ -58,6 +62,7 @@ class Row:
   top_k: int = 2
   layers: int | None = None
   estimate_s: float = 0.0
+  essential: bool = False
 
   @property
   def variant(self) -> str:
@@ -84,11 +89,11 @@ MEMORY = dict(optimizer="adamw_fp8", saved_activations="fp8")
 
 
 def _pair_and_variants(size: str, batch: int, seq: int, estimates: dict) -> dict:
-  rows = {name: Row(size, batch, seq, recipe, **options, estimate_s=estimates[name])
+  return {name: Row(size, batch, seq, recipe, **options, estimate_s=estimates[name],
+                    essential=name in ("bf16", "delayed"))
           for name, recipe, options in (("bf16", "bf16", {}), ("delayed", "delayed", {}),
                                         ("memory", "delayed", MEMORY),
                                         ("current", "current", {}))}
-  return rows
 
 
 _350M = _pair_and_variants("350m", 8, 1024, {"bf16": 25, "delayed": 38, "memory": 62,
@@ -129,8 +134,9 @@ class Budget:
   """Seconds left for rows, and whether the next row fits.
 
   A row fits when its estimate (with its FP8 partner's, for a bf16 row: `fp8_partner`),
-  scaled by what the rows so far took over their estimates, is within the seconds left
-  (`reserve_s` of them kept for what comes after).
+  scaled by what the rows so far took over their estimates, is within the seconds left.
+  `reserve_s` of them are kept for what comes after (the MoE rows), except for an
+  `essential` row, which may take them.
   """
 
   def __init__(self, seconds: float, reserve_s: float = 0.0,
@@ -140,8 +146,13 @@ class Budget:
     self.spent = self.expected = 0.0
 
   @property
-  def left_s(self) -> float:
-    return self.seconds - self.reserve_s - (self.clock() - self.start)
+  def remaining_s(self) -> float:
+    """Seconds left, the reserve included."""
+    return self.seconds - (self.clock() - self.start)
+
+  def left_s(self, row: Row) -> float:
+    """Seconds left for `row`: the reserve kept unless the row is essential."""
+    return self.remaining_s - (0.0 if row.essential else self.reserve_s)
 
   @property
   def scale(self) -> float:
@@ -152,7 +163,7 @@ class Budget:
     return (row.estimate_s + (partner.estimate_s if partner else 0.0)) * self.scale
 
   def fits(self, row: Row, partner: Row | None = None) -> bool:
-    return self.needs_s(row, partner) <= self.left_s
+    return self.needs_s(row, partner) <= self.left_s(row)
 
   def ran(self, row: Row, seconds: float) -> None:
     """Records that `row` took `seconds`."""
@@ -161,15 +172,15 @@ class Budget:
 
   def drop_reason(self, row: Row, partner: Row | None = None) -> str:
     what = f"the row{' and ' + partner.variant if partner else ''}"
-    return (f"not enough time: {max(self.left_s, 0):.0f} s left, {what} need about "
+    return (f"not enough time: {max(self.left_s(row), 0):.0f} s left, {what} need about "
             f"{self.needs_s(row, partner):.0f} s (estimates x {self.scale:.2f}, what the rows "
             "so far took over their estimates)")
 
 
-def expected_to_run(rows, seconds: float) -> list[bool]:
-  """Which rows `Budget` runs in `seconds` if every row takes its estimate."""
+def expected_to_run(rows, seconds: float, reserve_s: float = 0.0) -> list[bool]:
+  """Which rows `Budget(seconds, reserve_s)` runs if every row takes its estimate."""
   clock = [0.0]
-  budget = Budget(seconds, clock=lambda: clock[0])
+  budget = Budget(seconds, reserve_s, clock=lambda: clock[0])
   runs = []
   for index, row in enumerate(rows):
     runs.append(budget.fits(row, fp8_partner(rows, index)))
@@ -179,12 +190,13 @@ def expected_to_run(rows, seconds: float) -> list[bool]:
   return runs
 
 
-def format_plan(rows, seconds: float) -> str:
+def format_plan(rows, seconds: float, reserve_s: float = 0.0) -> str:
   """The rows in order with their estimates, and which fit `seconds` if the estimates hold."""
-  lines = [f"plan: {len(rows)} rows in {seconds:.0f} s (estimated seconds; rows run in this "
-           "order while they fit)"]
+  kept = f", {reserve_s:.0f} s of them kept for the MoE rows" if reserve_s else ""
+  lines = [f"plan: {len(rows)} rows in {seconds:.0f} s{kept} (estimated seconds; rows run in "
+           "this order while they fit)"]
   total = 0.0
-  for row, runs in zip(rows, expected_to_run(rows, seconds)):
+  for row, runs in zip(rows, expected_to_run(rows, seconds, reserve_s)):
     total += row.estimate_s if runs else 0.0
     lines.append(f"  {row.label:<45} ~{row.estimate_s:4.0f} s  "
                  + (f"total ~{total:4.0f} s" if runs else "dropped if the estimates hold"))

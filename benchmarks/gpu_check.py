@@ -174,9 +174,9 @@ def run_moe_gpt(smoke: bool, tests: dict | None, budget) -> dict:
 def _gpt_report(rows, budget, smoke: bool) -> dict:
   from benchmarks import gpt
   from benchmarks.timing import environment
-  print(gpt_plan.format_plan(rows, budget.left_s), flush=True)
+  print(gpt_plan.format_plan(rows, budget.remaining_s, budget.reserve_s), flush=True)
   timing = gpt.SMOKE_TIMING if smoke else gpt.Timing()
-  seconds = round(budget.left_s, 1) if math.isfinite(budget.left_s) else None
+  seconds = round(budget.remaining_s, 1) if math.isfinite(budget.remaining_s) else None
   return {**environment(), "benchmark": "gpt_train_step", "smoke": smoke,
           "results": {"budget_s": seconds, **gpt.run_rows(rows, budget=budget, timing=timing)}}
 
@@ -290,8 +290,9 @@ def format_plan(sections, budget_s: float, gpt_budget_s: float) -> str:
            "what is left is skipped):"]
   for name in SECTIONS:
     if name in sections:
-      seconds = (f"up to {gpt_budget_s:.0f} s with moe_gpt" if name in ("gpt", "moe_gpt")
-                 else f"~{SECTION_SECONDS[name]} s")
+      seconds = {"gpt": f"up to {gpt_budget_s:.0f} s with moe_gpt, by rows (benchmarks.gpt_plan)",
+                 "moe_gpt": "in the gpt section's time"}.get(name,
+                                                             f"~{SECTION_SECONDS.get(name)} s")
       lines.append(f"  {name:<13} {seconds}")
   return "\n".join(lines)
 

@@ -25,16 +25,27 @@ def test_rows_run_in_order_while_they_fit_and_a_bf16_row_only_with_its_fp8_partn
 
 def test_the_budget_scales_estimates_by_what_rows_took():
   now = [0.0]
-  budget = Budget(100, reserve_s=10, clock=lambda: now[0])
+  budget = Budget(100, clock=lambda: now[0])
   first, second, third = (Row("a", 1, 8, "delayed", estimate_s=s) for s in (20, 25, 20))
-  assert budget.left_s == 90 and budget.fits(first)
+  assert budget.left_s(first) == 100 and budget.fits(first)
   now[0] = 40.0
   budget.ran(first, 40.0)  # twice its estimate: the next rows need twice theirs
   assert budget.scale == 2 and budget.needs_s(second) == 50 and budget.fits(second)
   now[0] = 90.0
   budget.ran(second, 50.0)
-  assert budget.left_s == 0 and not budget.fits(third)
-  assert "0 s left" in budget.drop_reason(third) and "about 40 s" in budget.drop_reason(third)
+  assert budget.left_s(third) == 10 and not budget.fits(third)
+  assert "10 s left" in budget.drop_reason(third) and "about 40 s" in budget.drop_reason(third)
+
+
+def test_only_essential_rows_may_take_the_time_kept_for_later_rows():
+  budget = Budget(100, reserve_s=60, clock=lambda: 0.0)
+  pair = (Row("a", 1, 8, "bf16", estimate_s=30, essential=True),
+          Row("a", 1, 8, "delayed", estimate_s=40, essential=True))
+  variant = Row("a", 1, 8, "current", estimate_s=50)
+  assert budget.fits(pair[0], pair[1]) and not budget.fits(variant)
+  assert budget.left_s(pair[0]) == 100 and budget.left_s(variant) == 40
+  assert gpt_plan.expected_to_run(pair + (variant,), 100, reserve_s=60) == [True, True, False]
+  assert gpt_plan.expected_to_run((variant,) + pair, 100, reserve_s=60) == [False, True, True]
 
 
 def test_the_check_measures_each_size_s_pair_first_and_1b_variants_after_350m_ones():
@@ -47,9 +58,11 @@ def test_the_check_measures_each_size_s_pair_first_and_1b_variants_after_350m_on
   assert [(r.model, r.batch, r.variant) for r in gpt_plan.MOE_ROWS] == [
       ("125m, 8 experts top-2", 32, "bf16"),
       ("125m, 8 experts top-2", 32, "delayed, adamw_fp8, fp8 saved")]
-  # By the estimates, the two pairs run beside the MoE rows (whose time the check keeps).
+  assert [r.essential for r in gpt_plan.GPT_ROWS] == [True] * 4 + [False] * 4
+  # By the estimates, the two pairs and the MoE rows fit the GPT sections' time.
   moe = sum(r.estimate_s for r in gpt_plan.MOE_ROWS)
-  assert gpt_plan.expected_to_run(gpt_plan.GPT_ROWS, gpt_plan.GPT_BUDGET_S - moe)[:4] == [True] * 4
+  runs = gpt_plan.expected_to_run(gpt_plan.GPT_ROWS, gpt_plan.GPT_BUDGET_S, reserve_s=moe)
+  assert runs[:4] == [True] * 4
 
 
 def _measured(variant, recipe, tokens_per_s, measured_ms, predicted_ms):
