@@ -43,7 +43,7 @@ from fp8jax.ops import saved_activations  # noqa: F401  (fp8jax.saved_activation
 from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, UnthreadedStateError,
                                differentiating_fp8_state)
 from fp8jax.step.close import begin_step, close_step, end_step, merge_step
-from fp8jax.step.training import accumulate_gradients, value_and_grad
+from fp8jax.step.training import accumulate_gradients, calibrate, value_and_grad
 from fp8jax.step.all_reduce import all_reduce_amax
 # The tools; the attention backends and the fused kernels are public submodules of ops.
 from fp8jax import deviceless, lowering, optim, telemetry  # noqa: F401
@@ -59,7 +59,7 @@ __all__ = [
     "begin_step", "close_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum", "fp8_mlp",
     "RaggedDotMeta", "fp8_ragged_dot", "init_ragged_dot_meta", "bf16_ragged_dot",
-    "accumulate_gradients", "value_and_grad", "UnthreadedStateError",
+    "accumulate_gradients", "calibrate", "value_and_grad", "UnthreadedStateError",
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",

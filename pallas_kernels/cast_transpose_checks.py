@@ -125,6 +125,17 @@ def scalar_f32(value, argname: str) -> jax.Array:
   return jnp.asarray(value)
 
 
+def row_limit(valid_rows) -> jax.Array | None:
+  """`valid_rows` (the rows in use) as an int32[] array, or None."""
+  if valid_rows is None:
+    return None
+  if jnp.shape(valid_rows) != () or not jnp.issubdtype(jnp.result_type(valid_rows), jnp.integer):
+    raise ValueError(
+        f"valid_rows must be one integer, the number of leading rows of x in use (int32[]); "
+        f"got shape {jnp.shape(valid_rows)} and dtype {jnp.result_type(valid_rows)}.")
+  return jnp.asarray(valid_rows, jnp.int32)
+
+
 def check_flag(value, argname: str) -> None:
   if not isinstance(value, bool):
     raise TypeError(f"{argname} must be True or False, got {value!r}.")

@@ -233,7 +233,7 @@ def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
                    recipes=("bf16", "delayed", "current"), progress=False, resume=True)
 
 
-def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path):
+def test_compare_json_records_the_versions_machine_and_corpus_it_ran_on(tmp_path):
   import flax
   import jaxlib
   import optax
@@ -246,6 +246,23 @@ def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path
       "python": "{}.{}.{}".format(*sys.version_info[:3]), "jax": jax.__version__,
       "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__,
       "numpy": np.__version__}
+  # The machine: XLA compiles a CPU's programs for its instruction set (fp8jax.runs.machine).
+  machine = saved["machine"]
+  assert machine["device"] == jax.devices()[0].device_kind
+  assert machine["cores"] == os.cpu_count()
+  assert machine["xla_flags"] == os.environ.get("XLA_FLAGS", "")
+  cpuinfo = pathlib.Path("/proc/cpuinfo")
+  first = cpuinfo.read_text().split("\n\n")[0] if cpuinfo.exists() else ""
+  fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+  fields = {key.strip(): value.strip() for key, value in fields.items()}
+  if "model name" in fields and "flags" in fields:  # x86 Linux: what the kernel says
+    assert machine["cpu"] == fields["model name"]
+    assert set(machine["isa"]) <= set(fields["flags"].split()) and machine["isa"]
+  assert runs.machine.summary(machine).startswith(f"{os.cpu_count()}-core ")
+  # The corpus: what the run trained on (its run.json), without the machine's paths.
+  trained_on = json.loads((tmp_path / "bf16" / "run.json").read_text())["corpus"]
+  assert saved["corpus"] == {key: trained_on[key]
+                             for key in ("source", "python_version", "sha256")}
 
 
 @pytest.mark.parametrize("argv,message", [

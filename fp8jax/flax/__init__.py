@@ -9,7 +9,8 @@ interception of dense layers and of every dot its modules call) and `convert_to_
 (nnx, in place), choosing dots with `Fp8Rule`s, `default_layer_filter` (the cost model's
 choice; `CostModelFilter` for other tokens or constants) or your own predicate over a
 `LayerInfo`; `Fp8Report`: what runs in FP8 and why; `nnx_value_and_grad`:
-an nnx train step's FP8 `value_and_grad` that carries dropout rngs and batch statistics.
+an nnx train step's FP8 `value_and_grad` that carries dropout rngs and batch statistics;
+`nnx_calibrate`: `fp8jax.calibrate` for an nnx model, before its first step.
 """
 from fp8jax.flax.train_state import TrainState
 from fp8jax.flax.fp8_ops_state import from_flax_fp8_ops, to_flax_fp8_ops
@@ -18,8 +19,9 @@ from fp8jax.flax.rules import Fp8Rule
 from fp8jax.flax.dot_report import DotRecord, Fp8Report
 from fp8jax.flax.intercept import Fp8Model, fp8_dense_layers
 from fp8jax.flax.convert import convert_to_fp8
-from fp8jax.flax.nnx_step import nnx_value_and_grad
+from fp8jax.flax.nnx_step import nnx_calibrate, nnx_value_and_grad
 
 __all__ = ["TrainState", "from_flax_fp8_ops", "to_flax_fp8_ops", "LayerInfo",
            "default_layer_filter", "CostModelFilter", "Fp8Rule", "Fp8Report", "DotRecord",
-           "Fp8Model", "fp8_dense_layers", "convert_to_fp8", "nnx_value_and_grad"]
+           "Fp8Model", "fp8_dense_layers", "convert_to_fp8", "nnx_value_and_grad",
+           "nnx_calibrate"]

@@ -35,6 +35,7 @@ from fp8jax.flax.dot_report import DotRecord, Fp8Report
 from fp8jax.flax.layer_filter import LayerInfo, default_layer_filter
 from fp8jax.flax.linen import FP8_COLLECTION
 from fp8jax.flax.rules import OP_KINDS, decide
+from fp8jax.core.calibration import training_recipe
 from fp8jax.core.meta import init_dot_meta
 from fp8jax.ops.guards import detach_outside_step, guard_fp8_state
 
@@ -189,7 +190,7 @@ class Session:
     outer = self.frames[0].module.scope
     if scope.has_variable(FP8_COLLECTION, name):
       meta = scope.get_variable(FP8_COLLECTION, name)
-      if meta.recipe != recipe:
+      if training_recipe(meta.recipe) != recipe:  # fp8jax.calibrate's step follows it too
         raise ValueError(
             f"{_named(dot)} runs with recipe={recipe} but its '{FP8_COLLECTION}' state was "
             f"made for recipe={meta.recipe}. Initialize fresh FP8 state for the new recipe "

@@ -36,6 +36,7 @@ from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.mesh.explicit import with_out_sharding
+from fp8jax.core.calibration import training_recipe
 from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.core.meta import DotMeta, init_attention_meta, init_dot_meta
 from fp8jax.core.recipes import DelayedScaling, Recipe
@@ -69,7 +70,7 @@ def dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta")
   """The module's `DotMeta` variable; checks it follows the module's recipe."""
   variable = fp8_variable(module, name, init_dot_meta, recipe)
   stored = variable.value.recipe
-  if stored != recipe:
+  if training_recipe(stored) != recipe:  # the state of a step of fp8jax.calibrate follows it too
     raise ValueError(
         f"{module.__class__.__name__} {module.name!r} has recipe={recipe} but its "
         f"'{FP8_COLLECTION}' state was made for recipe={stored}. Initialize fresh FP8 state "

@@ -53,7 +53,8 @@ from fp8jax.core.quantize import max_by_bits
 OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
 
 
-def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1) -> Callable:
+def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
+                row_limit: int | None = None) -> Callable:
   """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
 
   Args:
@@ -63,6 +64,10 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1) -> C
       of kind `outputs[i]` (see the module docstring).
     outputs: one of OUTPUT_KINDS per output.
     tensors: how many leading operands are such 2-D arrays.
+    row_limit: the position among `scalars` of an int32[] that counts the leading rows
+      of the whole `t` in use (a grouped GEMM's rows within its groups), or None. Where
+      `t`'s rows are split, each device's kernel gets the count of its own shard's rows
+      (the whole count less the rows of the shards before it; negative: none).
   """
   outputs = tuple(outputs)
   unknown = [kind for kind in outputs if kind not in OUTPUT_KINDS]
@@ -79,7 +84,13 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1) -> C
       t_spec = _divisible_spec(mesh, arg_shapes[0])
       split_over = tuple(name for entry in t_spec for name in axis_names(entry))
 
+      row_axes = axis_names(t_spec[0])
+
       def lower_fn(*operands):
+        if row_limit is not None and row_axes:
+          operands = list(operands)
+          at = tensors + row_limit
+          operands[at] = operands[at] - jax.lax.axis_index(row_axes) * operands[0].shape[0]
         return global_amaxes(kernel(*operands), outputs, split_over, result_shape)
 
       replicated = NamedSharding(mesh, PartitionSpec())

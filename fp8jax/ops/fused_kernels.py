@@ -152,7 +152,8 @@ def choose(args, kernel, reference):
 def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
                         fmt: Fp8Format, descale: jax.Array | None = None,
                         partner_descales: tuple | None = None,
-                        gathered_for: jax.Array | None = None):
+                        gathered_for: jax.Array | None = None,
+                        valid_rows: jax.Array | None = None):
   """`(q, q.T, max(running_amax, max|x|), products)` with `q = saturate(x * scale)` in `fmt`.
 
   Args:
@@ -168,13 +169,17 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
       mesh whose batch axes also split the weight (FSDP), the kernel then casts
       each device's shard and all-gathers the FP8 copy, transposing it after
       the gather (`fp8jax.mesh.partitioning.shard_local_weight_cast`).
+    valid_rows: optional int32[]: only x's rows [0, valid_rows) are in use (a grouped
+      GEMM's rows within its groups); the others are read as 0 (no amax, zero FP8 rows),
+      in the same pass.
 
   Returns:
     q [R, C] and q.T [C, R] in `fmt.dtype`, the updated float32[] running amax,
     and the tuple of float32[] products (None without `partner_descales`).
   """
   cast = cast_in_chain(x, scale, running_amax, fmt, descale=descale,
-                       partner_descales=partner_descales, gathered_for=gathered_for)
+                       partner_descales=partner_descales, gathered_for=gathered_for,
+                       valid_rows=valid_rows)
   return cast.q, cast.q_t, cast.amax, cast.products
 
 
@@ -205,7 +210,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
                   partner_descales: tuple | None = None, gathered_for: jax.Array | None = None,
                   accumulator: jax.Array | None = None, tile_amaxes: bool = False,
                   reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = (),
-                  prologue: Prologue | None = None, prologue_inputs: tuple = ()) -> Cast:
+                  prologue: Prologue | None = None, prologue_inputs: tuple = (),
+                  valid_rows: jax.Array | None = None) -> Cast:
   """`cast_transpose_amax` as one cast of a chain whose amaxes need no kernel of their own.
 
   The cast kernel folds its tiles' maxima into one float32 with atomics, so that
@@ -235,8 +241,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   max|x| as long as the kernel's, the seeds zeros, the copies the arrays themselves.
 
   Args:
-    x, scale, running_amax, fmt, descale, partner_descales, gathered_for: as for
-      `cast_transpose_amax` (`running_amax` None with `tile_amaxes`).
+    x, scale, running_amax, fmt, descale, partner_descales, gathered_for, valid_rows: as
+      for `cast_transpose_amax` (`running_amax` None with `tile_amaxes`).
     accumulator: a seed of an earlier cast of the same step.
     tile_amaxes: return the tile maxima instead of the running amax.
     reduce: (tiles, running) of an earlier cast.
@@ -247,9 +253,10 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   Returns:
     A `Cast`.
   """
-  if pass_through and gathered_for is not None:
-    raise ValueError("pass_through is for casts of activations and gradients; a weight's cast "
-                     "(gathered_for=...) runs under a partitioning rule without it.")
+  if (pass_through or valid_rows is not None) and gathered_for is not None:
+    raise ValueError("pass_through and valid_rows are for casts of activations and gradients; "
+                     "a weight's cast (gathered_for=...) runs under a partitioning rule "
+                     "without them.")
   with_products = partner_descales is not None
   n_products = len(partner_descales) if with_products else 0
   tiles_len = pallas_kernels.tile_count(x.shape) if tile_amaxes and x.ndim == 2 else 1
@@ -261,9 +268,10 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   others = tuple(prologue_inputs)
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-                pass_through, others, gathered_for=None):
+                pass_through, others, valid_rows, gathered_for=None):
     if prologue is not None:
       x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
+    x = pallas_kernels.rows_in_use(x, valid_rows)
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if with_products else None)
@@ -283,6 +291,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     operands = list(operands)
     tensors = tuple(operands.pop(0) for _ in others)
     scale = operands.pop(0)
+    rows = operands.pop(0) if valid_rows is not None else None
     running = None if tile_amaxes else operands.pop(0)
     descale = operands.pop(0) if with_products else None
     partners = tuple(operands.pop(0) for _ in range(n_products)) if with_products else None
@@ -291,19 +300,24 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     out = pallas_kernels.cast_transpose_amax_in_chain(
         x, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
         partner_descales=partners, accumulator=acc, tile_amaxes=tile_amaxes, reduce=tiles,
-        seeds=seeds, pass_through=tuple(operands), prologue=prologue, prologue_inputs=tensors)
+        seeds=seeds, pass_through=tuple(operands), prologue=prologue, prologue_inputs=tensors,
+        valid_rows=rows)
     return (out.q, out.q_t, out.amax, *(out.products or ()),
             *((out.reduced,) if reduce is not None else ()), *out.seeds, *out.passed)
 
   kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
            + ("scalar",) * (n_products + (reduce is not None) + seeds)
            + ("vector",) * len(pass_through))
-  per_shard = shard_local(local_kernel, kinds, tensors=1 + len(others))
+  # A row limit counts the whole tensor's rows, and each device's shard gets its own
+  # count: it is the scalar operand after the scale.
+  per_shard = shard_local(local_kernel, kinds, tensors=1 + len(others),
+                          row_limit=1 if valid_rows is not None else None)
 
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-             pass_through, others, gathered_for):
+             pass_through, others, valid_rows, gathered_for):
     # Copied through as vectors (a partitioning rule gives each output one layout).
-    operands = list(others) + [scale] + ([] if tile_amaxes else [running_amax]) + (
+    operands = list(others) + [scale] + ([] if valid_rows is None else [valid_rows]) + (
+        [] if tile_amaxes else [running_amax]) + (
         [descale, *partner_descales] if with_products else []) + (
         [accumulator] if accumulator is not None else []) + (
         list(reduce) if reduce is not None else []) + [jnp.ravel(a) for a in pass_through]
@@ -322,8 +336,10 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     passed = tuple(c.reshape(shape) for c, shape in zip(rest[seeds:], shapes))
     return Cast(q, q_t, new_amax, products, reduced, tuple(rest[:seeds]), passed)
 
+  if valid_rows is not None:
+    valid_rows = jnp.asarray(valid_rows, jnp.int32)
   args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-          tuple(pass_through), others, gathered_for)
+          tuple(pass_through), others, valid_rows, gathered_for)
   takes = _takes(x) and all(_takes(t) for t in others)
   cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
