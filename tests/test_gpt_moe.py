@@ -106,14 +106,16 @@ def test_load_balancing_loss_enters_the_gradient_with_its_weight_and_the_loss_is
                          new_params, params)
     results[weight] = (float(loss), float(stats["aux_loss"]), grads)
 
-  # The reported loss is the cross-entropy alone (float64 from the model's logits;
-  # the model computes it in float32 from the same logits).
+  # The reported loss is the cross-entropy alone (float64 from the model's logits; the
+  # model computes it in float32 from its logits in another program, the train step,
+  # where XLA may keep a bf16 intermediate of the unrolled blocks in float32 that the
+  # forward-only program rounds: 2e-6 apart seen, hence 1e-5).
   logits = np.asarray(models[0.0].apply({"params": params}, inputs), np.float64)
   shifted = logits - logits.max(-1, keepdims=True)
   log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
   cross_entropy = -np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1).mean()
   for loss, aux, _ in results.values():
-    assert loss == pytest.approx(cross_entropy, rel=1e-6)  # float32 softmax and mean
+    assert loss == pytest.approx(cross_entropy, rel=1e-5)
     # The logged auxiliary loss is the sum over layers of each layer's Switch loss.
     assert aux == pytest.approx(float(aux_reference(params)), rel=1e-6)
 

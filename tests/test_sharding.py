@@ -384,7 +384,7 @@ def test_fp8_optimizer_state_is_sharded_like_the_params_and_steps_like_one_devic
   param_spec = {jax.tree_util.keystr(path): leaf.sharding.spec
                 for path, leaf in jax.tree_util.tree_leaves_with_path(args[0])}
   moments = _moment_leaves(args[1])
-  assert len(moments) == 2 * 7  # q, k, v, out, up, down kernels and the embedding
+  assert len(moments) == 2 * 5  # qkv, out, up, down kernels and the embedding
   for (_, path), moment in moments.items():
     # The codes carry the param's spec; before the fix they were matched by their
     # last two path names (".../kernel", "codes") and silently replicated.
@@ -447,7 +447,16 @@ def _moe_gpt_one_device():
   tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, 256)
   variables = model.init(jax.random.key(0), tokens[:, :-1])
   state = (variables["params"], tx.init(variables["params"]), variables["fp8_meta"])
-  step = train_step_for(model, tx, fp8=True)
+  train_step = train_step_for(model, tx, fp8=True)
+
+  def step(*args):
+    # Every bf16 intermediate rounded where the model rounds it (no excess precision):
+    # otherwise XLA may keep one in float32 in one program's fusions and not in the
+    # other's (the one-device and the sharded programs fuse the unrolled blocks
+    # differently), and compare roundings instead of the sharding.
+    return train_step.lower(*args).compile(
+        compiler_options={"xla_allow_excess_precision": False})(*args)
+
   return step, state, tokens, step(*_copy(state), tokens)
 
 

@@ -94,10 +94,10 @@ def test_telemetry_is_logged_at_the_logging_steps_and_its_summaries_are_in_range
       assert logged == [] and run["telemetry"] == {}
       continue
     assert logged == [1, 2, 4, 6, 8]  # every 2 steps, and the first
-    # 4 blocks of q, k, v, out, up, down: x and kernel measured per layer of the scan.
+    # 4 blocks of qkv, out, up, down: x and kernel measured per layer of the scan.
     record = [line for line in lines if "telemetry" in line][-1]["telemetry"]
     measured = [key for key, fields in record.items() if "saturated" in fields]
-    assert len(measured) == 12 and all(len(record[key]["saturated"]) == 4 for key in measured)
+    assert len(measured) == 8 and all(len(record[key]["saturated"]) == 4 for key in measured)
     summary = run["telemetry"]
     assert {"x", "kernel", "grad"} <= set(summary)
     for kind in ("x", "kernel"):

@@ -28,7 +28,7 @@ from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.ops.mlp import fp8_mlp
 
 
-class _Weights(nn.Module):
+class MlpWeights(nn.Module):
   """One projection's kernel and `DotMeta`, under the names an `Fp8Dense` gives them."""
 
   shape: tuple[int, int]
@@ -71,8 +71,8 @@ class Fp8Mlp(nn.Module):
     """inputs [..., D] -> [..., features], in the computation dtype."""
     d = inputs.shape[-1]
     features = self.features or d
-    up = _Weights((d, self.hidden), self.recipe, self.param_dtype, self.kernel_init, name="up")
-    down = _Weights((self.hidden, features), self.recipe, self.param_dtype,
+    up = MlpWeights((d, self.hidden), self.recipe, self.param_dtype, self.kernel_init, name="up")
+    down = MlpWeights((self.hidden, features), self.recipe, self.param_dtype,
                     self.output_kernel_init or self.kernel_init, name="down")
     (w_in, up_meta), (w_out, down_meta) = up(), down()
     x, promoted_in, promoted_out = nn.dtypes.promote_dtype(inputs, w_in, w_out,

@@ -4,11 +4,16 @@ See `fp8jax.telemetry` for what the stats are and what they cost.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 
 from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax import linen as fp8nn
+from fp8jax.flax.linen_mlp import Fp8Mlp, MlpWeights
 from fp8jax.flax.master_kernel import master_kernel
+from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.mlp import quantized_activation
 from fp8jax.telemetry import TELEMETRY_COLLECTION, dot_stats
 
 
@@ -16,7 +21,9 @@ def linen_tensor_stats():
   """A context in which fp8jax's linen FP8 layers sow `dot_stats` of each call.
 
   Inside it, every call of `Fp8Dense`, `Fp8DenseGeneral`, `Fp8Einsum` and
-  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too), and of the
+  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too), of `Fp8Mlp` (its
+  "up" and "down" projections each, the down projection's x being the float32 GELU
+  its cast quantizes), and of the
   `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers an `fp8jax.flax.Fp8Model`
   runs in FP8, whose module can write the "fp8_telemetry" collection sows
   `tensor_stats(x, meta.x)` under the name "x" and `tensor_stats(kernel,
@@ -37,12 +44,26 @@ def linen_tensor_stats():
   Returns:
     A context manager (`flax.linen.intercept_methods` with fp8jax's interceptor).
   """
-  return nn.intercept_methods(_sow_dot_stats)
+  return nn.intercept_methods(functools.partial(_sow_dot_stats, mlp_projections=[]))
 
 
-def _sow_dot_stats(next_fun, args, kwargs, context):
-  """The `linen_tensor_stats` interceptor: runs the layer, then sows its operands' stats."""
+def _sow_dot_stats(next_fun, args, kwargs, context, mlp_projections):
+  """The `linen_tensor_stats` interceptor: runs the layer, then sows its operands' stats.
+
+  `mlp_projections`: a stack, one list per `Fp8Mlp` call in progress, of the projection
+  modules ("up", "down") its call creates, seen as they are called.
+  """
   module = context.module
+  if isinstance(module, Fp8Mlp) and context.method_name == "__call__":
+    mlp_projections.append([])
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      projections = mlp_projections.pop()
+    _sow_mlp_stats(module, args[0] if args else kwargs["inputs"], projections)
+    return out
+  if isinstance(module, MlpWeights) and mlp_projections:
+    mlp_projections[-1].append(module)
   out = next_fun(*args, **kwargs)
   if (context.method_name != "__call__" or not _runs_in_fp8(module)
       or module.is_initializing() or not module.is_mutable_collection(TELEMETRY_COLLECTION)):
@@ -63,6 +84,26 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
   for role, stats in dot_stats(x, kernel, meta, dimension_numbers=dimension_numbers).items():
     module.sow(TELEMETRY_COLLECTION, role, stats)
   return out
+
+
+def _sow_mlp_stats(module, inputs, projections) -> None:
+  """An `Fp8Mlp`'s stats, sown by its "up" and "down" modules: each projection's x and
+  kernel as its casts quantize them (the up projection's output recomputed here, in FP8
+  with the step's scales, for the GELU the down projection's cast computes)."""
+  if (module.is_initializing() or not module.is_mutable_collection(TELEMETRY_COLLECTION)
+      or len(projections) != 2):
+    return
+  up, down = projections
+  metas = [p.get_variable(fp8nn.FP8_COLLECTION, "dot_meta") for p in projections]
+  stored = [nn.meta.unbox(p.get_variable("params", "kernel")) for p in projections]
+  x, *promoted = nn.dtypes.promote_dtype(inputs, *stored, dtype=module.dtype)
+  kernels = [master_kernel(k, p) for k, p in zip(stored, promoted)]
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  h, _ = fp8_dot_general(x, kernels[0], metas[0], dims)
+  activation = quantized_activation(h)
+  for projection, operand, kernel, meta in zip(projections, (x, activation), kernels, metas):
+    for role, stats in dot_stats(operand, kernel, meta).items():
+      projection.sow(TELEMETRY_COLLECTION, role, stats)
 
 
 _FP8_LAYERS = (fp8nn.Fp8Dense, fp8nn.Fp8DenseGeneral, fp8nn.Fp8Einsum, fp8nn.Fp8DotGeneral)

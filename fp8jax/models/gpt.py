@@ -280,9 +280,12 @@ def attention_choice(config: GptConfig, recipe: Recipe | None, batch_size: int,
 
 def runs_fp8_attention(config: GptConfig, recipe: Recipe | None, batch_size: int,
                        seq_len: int) -> bool:
-  """Whether `Gpt(config, recipe)`'s attention computes in FP8 for [batch_size, seq_len]:
-  FP8 attention is asked for and its backend is not one that dequantizes FP8 inputs
-  into a bf16 kernel (see `GptConfig.fp8_attention`)."""
+  """Whether `Gpt(config, recipe)`'s attention computes in FP8 for [batch_size, seq_len].
+
+  Returns:
+    True when FP8 attention is asked for and its backend is not one that dequantizes
+    FP8 inputs into a bf16 kernel (see `GptConfig.fp8_attention`).
+  """
   if recipe is None or not config.fp8_attention:
     return False
   choice = attention_choice(config, recipe, batch_size, seq_len)

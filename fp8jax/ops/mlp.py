@@ -102,6 +102,12 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
                         bool(save_fp8)))
 
 
+def quantized_activation(h: jax.Array) -> jax.Array:
+  """What the second projection's cast quantizes on the fused path: gelu(h) in float32,
+  from the first projection's output h (for telemetry of that operand)."""
+  return activations.gelu_tanh(h.astype(jnp.float32))
+
+
 def _fused_layouts(x, w_in, w_out, meta, dims):
   """(layout_in, layout_out) when the fused form runs (see the module), else None."""
   recipe = meta.recipe

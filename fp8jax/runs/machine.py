@@ -38,8 +38,11 @@ def describe() -> dict:
 
 
 def summary(machine: dict) -> str:
-  """`describe()`'s record in a few words, e.g. "2-core AMD EPYC CPU (AVX-512, AVX-512 BF16)"
-  or "NVIDIA H100 80GB HBM3"."""
+  """`describe()`'s record in a few words.
+
+  Returns:
+    e.g. "2-core AMD EPYC CPU (AVX-512, AVX-512 BF16)" or "NVIDIA H100 80GB HBM3".
+  """
   if machine["device"] != "cpu":
     return machine["device"]
   isa = set(machine["isa"])
