@@ -21,6 +21,12 @@ Numerics per query row (base 2, float32; FP8 inputs x = x8 * descale_x):
   m = running max of the visible s_j;  p_j = 2**(s_j - m);  l = running sum of p_j
   acc = rescaled sum of p_j v_j  (FP8: of E4M3(p_j * P_SCALE) v8_j)
   o = acc * out_scale / l,  out_scale = 1 [or descale_v / P_SCALE];  lse2 = m + log2(l)
+Block-scaled FP8 inputs (one descale per SCALE_BLOCK rows of each head, `geo.block_scaled`)
+change only scalars, read per key step: qk_scale takes the descales of the warpgroup's
+query block and of the step's key block; V's block descale enters P before its E4M3
+rounding as the ratio r_j = descale_v[block of j] / max over the head's blocks (<= 1, so
+P * P_SCALE * r_j still fits E4M3), and out_scale = that max / P_SCALE:
+  acc = rescaled sum of E4M3(p_j * P_SCALE * r_j) v8_j,  o = acc * out_scale / l.
 A row that sees no key (segment ids, or causal with q_len > kv_len) has l = 0: its
 output is 0 and its lse2 -inf. FP8 also writes each row's max |o| (for the output's
 delayed scaling); the wrapper reduces it.
@@ -42,8 +48,8 @@ import jax.numpy as jnp
 from pallas_kernels.hopper_attention_tiling import (COMPUTE_WGS, E4M3, P_SCALE,
                                                     AttentionGeometry,
                                                     HopperAttentionBlockSizes, key_steps,
-                                                    masked_softmax_max, stream_tiles,
-                                                    tile_visibility, when)
+                                                    masked_softmax_max, scale_block,
+                                                    stream_tiles, tile_visibility, when)
 from pallas_kernels.mosaic_target import (MosaicTarget, interpret_params, pl, plgpu,
                                           swizzle_transforms)
 
@@ -54,6 +60,7 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
   block_q, block_kv, head_dim = blocks.block_q, blocks.block_kv, geo.head_dim
   batch = lax.axis_index("batch")
   head = lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(geo.group))
   wg = lax.axis_index("wg")
   cta_row0 = lax.axis_index("q_tiles") * (COMPUTE_WGS * block_q)
   cta_steps, _ = key_steps(geo, cta_row0, COMPUTE_WGS * block_q, block_kv)
@@ -81,8 +88,19 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
       plgpu.barrier_wait(s.q_ids_ready.at[wg])
       q_ids = target.row_vector(s.q_ids.at[wg])
     plgpu.barrier_wait(s.q_ready.at[wg])
-    # Scalars from an array input: new descales never retrace the kernel.
+    # Scalars from array inputs: new descales never retrace the kernel.
     qk_scale, out_scale = refs.scales[0], refs.scales[1]
+    if geo.block_scaled:
+      qk_scale = qk_scale * refs.q_descale[batch, head, scale_block(row0)]
+      out_scale = refs.out_scale[batch, kv_head]
+
+    def step_scales(step):
+      """(qk_scale, P's multiplier before its E4M3 rounding) of a key step."""
+      if not geo.block_scaled:
+        return qk_scale, P_SCALE
+      key_block = scale_block(step * block_kv)
+      return (qk_scale * refs.k_descale[batch, kv_head, key_block],
+              P_SCALE * refs.v_ratio[batch, kv_head, key_block])
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = target.layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
@@ -96,10 +114,11 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
     def key_step(step, carry, *, masked: bool):
       acc, m, l = carry
       slot = slot_of(step)
+      step_qk_scale, p_scale = step_scales(step)
       logits = target.mma(None, q_tile, s.k.at[slot], transpose_b=True,
                           shape=(block_q, block_kv), while_in_flight=take_turn)
       plgpu.barrier_arrive(s.k_free.at[slot])
-      logits = logits * qk_scale
+      logits = logits * step_qk_scale
       if masked:
         kv_ids = None
         if geo.segmented:
@@ -117,7 +136,7 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       if fp8:
-        p_tile[...] = (p * P_SCALE).astype(E4M3)
+        p_tile[...] = (p * p_scale).astype(E4M3)
         plgpu.commit_smem()
         p_operand = p_tile
       else:
@@ -174,7 +193,6 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
   @pl.when(wg == COMPUTE_WGS)
   def _produce():
     plgpu.set_max_registers(40, action="decrease")
-    kv_head = lax.div(head, jnp.int32(geo.group))
 
     def issue(step, slot):
       cols = pl.ds(step * block_kv, block_kv)
@@ -189,15 +207,19 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
 
 
 @functools.partial(jax.jit, static_argnames=("geo", "blocks", "interpret"))
-def forward(q, k, v, scales, q_ids, kv_ids, *, geo: AttentionGeometry,
+def forward(q, k, v, scales, q_ids, kv_ids, block_scales=None, *, geo: AttentionGeometry,
             blocks: HopperAttentionBlockSizes, interpret):
   """Runs the kernel on checked inputs (see `pallas_kernels.hopper_attention`).
 
   Args:
     q: [batch, q_len, heads, D], bf16/f16 or E4M3; k: [batch, kv_len, kv_heads, D].
     v: 16-bit: [batch, kv_len, kv_heads, D]; E4M3: V^T, [batch, kv_heads, D, kv_len].
-    scales: float32 [2]: qk_scale (base 2, descales folded in) and out_scale.
+    scales: float32 [2]: qk_scale (base 2, per-tensor descales folded in) and out_scale
+      (unused when block-scaled).
     q_ids, kv_ids: int32 [batch, q_len] / [batch, kv_len] segment ids, or None.
+    block_scales: None, or (when `geo.block_scaled`) float32 (q_descale [batch, heads,
+      q_len / SCALE_BLOCK], k_descale and v_ratio [batch, kv_heads, kv_len / SCALE_BLOCK],
+      out_scale [batch, kv_heads]): see the module docstring.
     geo, blocks: static shape and tiles; interpret: see `mosaic_target.interpret_params`.
 
   Returns:
@@ -238,7 +260,9 @@ def forward(q, k, v, scales, q_ids, kv_ids, *, geo: AttentionGeometry,
                    q_ids_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
                    ids_ready=plgpu.Barrier(num_barriers=stages))
 
-  in_names = ("q", "k", "v", "scales") + (("q_ids", "kv_ids") if geo.segmented else ())
+  block_names = ("q_descale", "k_descale", "v_ratio", "out_scale")
+  in_names = (("q", "k", "v", "scales") + (("q_ids", "kv_ids") if geo.segmented else ())
+              + (block_names if geo.block_scaled else ()))
   out_names = ("out", "lse") + (("row_amax",) if fp8 else ())
   row_stats = jax.ShapeDtypeStruct((geo.batch, geo.heads, geo.q_len), jnp.float32)
   out_types = (jax.ShapeDtypeStruct(q.shape, out_dtype), row_stats) + ((row_stats,) if fp8
@@ -251,7 +275,8 @@ def forward(q, k, v, scales, q_ids, kv_ids, *, geo: AttentionGeometry,
                                          blocks=blocks, fp8=fp8, stages=stages, target=target),
         collective_axes="wg", **scratch)
 
-  inputs = (q, k, v, scales) + ((q_ids, kv_ids) if geo.segmented else ())
+  inputs = ((q, k, v, scales) + ((q_ids, kv_ids) if geo.segmented else ())
+            + (tuple(block_scales) if geo.block_scaled else ()))
   outputs = plgpu.kernel(
       entry,
       out_type=out_types,

@@ -40,6 +40,9 @@ HEAD_DIMS = (64, 128)
 # (pallas_kernels.flash_attention): a power of two, so the scaling is exact, and < 448,
 # so nothing saturates.
 P_SCALE = 256.0
+# Rows of q, k or v (per head) that share one descale when the FP8 inputs are block-scaled:
+# one CTA's query rows (2 x 64), one 128-key step, as FlashAttention-3 and DeepSeek-V3 tile.
+SCALE_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,8 @@ class AttentionGeometry:
       head_dim]; k and v are [batch, kv_len, kv_heads, head_dim].
     causal: bottom-right aligned causal mask.
     segmented: segment ids are given (a query sees only keys of its own id).
+    block_scaled: FP8 inputs carry one descale per `SCALE_BLOCK` rows of each head
+      (else one per tensor).
   """
 
   batch: int
@@ -105,6 +110,7 @@ class AttentionGeometry:
   head_dim: int
   causal: bool
   segmented: bool
+  block_scaled: bool = False
 
   @property
   def group(self) -> int:
@@ -117,12 +123,18 @@ class AttentionGeometry:
     return self.kv_len - self.q_len
 
 
-def geometry(q, k, *, causal: bool, segmented: bool) -> AttentionGeometry:
+def geometry(q, k, *, causal: bool, segmented: bool,
+             block_scaled: bool = False) -> AttentionGeometry:
   """The `AttentionGeometry` of q [batch, q_len, heads, d] and k [batch, kv_len, kv_heads, d]."""
   batch, q_len, heads, head_dim = q.shape
   return AttentionGeometry(batch=batch, q_len=q_len, kv_len=k.shape[1], heads=heads,
                            kv_heads=k.shape[2], head_dim=head_dim, causal=bool(causal),
-                           segmented=bool(segmented))
+                           segmented=bool(segmented), block_scaled=bool(block_scaled))
+
+
+def scale_block(row) -> jax.Array:
+  """The index of the `SCALE_BLOCK`-row block that holds row `row` (an int32 scalar)."""
+  return lax.div(row, jnp.int32(SCALE_BLOCK))
 
 
 def check_shapes(geo: AttentionGeometry, blocks: HopperAttentionBlockSizes) -> None:

@@ -154,25 +154,45 @@ def _exact_gradient(rng, shape):
   return g8 * 2.0**-6
 
 
-def _run_fp8(shape, causal, segmented, interpret, device=None):
+def _block_descales(rng, x, scale_block=128):
+  """float64 [batch, heads, seq / 128]: a descale per 128-row block of each head, odd
+  blocks 4x below even ones, times 2**U(-0.5, 0.5): a block read with a neighbour's
+  descale is off by 2x or more, which the bounds below cannot hide."""
+  batch, seq, heads, _ = x.shape
+  blocks = np.arange(seq // scale_block)
+  return 4.0 ** -(blocks % 2) * 2.0 ** rng.uniform(-0.5, 0.5, (batch, heads, len(blocks)))
+
+
+def _per_row(descale, scale_block=128):
+  """[batch, heads, blocks] -> [batch, seq, heads, 1], each row its block's descale."""
+  return np.repeat(np.swapaxes(descale, 1, 2), scale_block, axis=1)[..., None]
+
+
+def _run_fp8(shape, causal, segmented, interpret, device=None, block_scaled=False):
   import jax
   import jax.numpy as jnp
   import importlib
   ha = importlib.import_module("pallas_kernels.hopper_attention")
   q, k, v, _, (q_ids, kv_ids) = _problem(1, *shape, segmented)
   g = _exact_gradient(np.random.default_rng(2), q.shape)
-  descales = (0.5, 0.25, 2.0)
-  q8, k8, v8 = (jnp.asarray(x / d, jnp.float8_e4m3fn) for x, d in zip((q, k, v), descales))
+  if block_scaled:
+    descales = tuple(_block_descales(np.random.default_rng(3 + i), x) * base
+                     for i, (x, base) in enumerate(zip((q, k, v), (0.5, 0.25, 2.0))))
+    per_row = [_per_row(d) for d in descales]
+  else:
+    descales = per_row = (0.5, 0.25, 2.0)
+  q8, k8, v8 = (jnp.asarray(x / d, jnp.float8_e4m3fn) for x, d in zip((q, k, v), per_row))
   if device is not None:
     q8, k8, v8 = jax.device_put((q8, k8, v8), device)
   sm = q.shape[-1] ** -0.5
   kwargs = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret)
+  kernel_descales = [jnp.asarray(d, jnp.float32) for d in descales]
   out, out_amax, lse2 = jax.jit(lambda *a: ha.hopper_fp8_attention_forward(*a, **kwargs))(
-      q8, k8, v8, *descales)
+      q8, k8, v8, *kernel_descales)
   dq, dk, dv = jax.jit(lambda *a: ha.hopper_fp8_attention_backward(*a, **kwargs))(
-      q8, k8, v8, out, lse2, jnp.asarray(g, jnp.float32), *descales)
-  f64 = [np.asarray(x.astype(jnp.float32), np.float64) * d
-         for x, d in zip((q8, k8, v8), descales)] + [g]
+      q8, k8, v8, out, lse2, jnp.asarray(g, jnp.float32), *kernel_descales)
+  f64 = [np.asarray(x.astype(jnp.float32), np.float64) * np.float32(d)
+         for x, d in zip((q8, k8, v8), per_row)] + [g]
   want, terms, per_kv_head = _reference(*f64, sm, causal, q_ids, kv_ids)
   want_lse2 = want[1]
   want = (want[0],) + want[2:]
@@ -180,12 +200,32 @@ def _run_fp8(shape, causal, segmented, interpret, device=None):
   # Where P * 256 is below E4M3's normal range (2**-6) the rounding is absolute: half
   # its subnormal step, 2**-10, so 2**-18 in P (seen on an H200 at a key only one query
   # sees, where P * 256 was 0.0012).
-  p_rounding, dp_err, ds_rounding, lse2_err = E4M3 + 2.0**-10, 0.0, BF16, 0.0
+  p_rounding, p_floor, dp_err, ds_rounding, lse2_err = E4M3 + 2.0**-10, 2.0**-18, 0.0, BF16, 0.0
+  if block_scaled:
+    # The forward rounds P * 256 * r, r = the key block's V descale over the head's
+    # largest: the absolute floor is 2**-18 / r in P. dQ and dK multiply dS by bf16
+    # copies of the dequantized q and k: one more bf16 rounding (2**-9) of each term.
+    v_descale = descales[2]
+    p_floor /= (v_descale / v_descale.max(axis=2, keepdims=True)).min()
+    ds_rounding += 2.0**-9
   if device is not None:
-    p_rounding, dp_err, ds_rounding, lse2_err = _fp8_accumulator_errors(*f64, sm, p_rounding)
-  bounds = _bounds(want, terms, per_kv_head, sm, p_rounding, 2.0**-18, dp_err, ds_rounding)
+    p_rounding, dp_err, ds_rounding, lse2_err = _fp8_accumulator_errors(
+        *f64, sm, p_rounding, ds_rounding)
+  bounds = _bounds(want, terms, per_kv_head, sm, p_rounding, p_floor, dp_err, ds_rounding)
   for name, a, w, bnd in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want, bounds):
     _assert_within(name, a, w, bnd)
+  if block_scaled and device is None:
+    # The plain-jnp form of the kernel's arithmetic (fp8jax's XLA path) rounds the same P
+    # to E4M3 (at the kernel's 128-key running max) and sums in another order.
+    fa = importlib.import_module("pallas_kernels.flash_attention")
+    ref = fa.fp8_forward_reference(
+        q8, k8, v8, descale_q=kernel_descales[0], descale_k=kernel_descales[1],
+        descale_v=kernel_descales[2], q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        causal=causal)
+    # Both round float32 outputs that differ only by summation order to bf16: one bf16
+    # step apart at most (2**-8 relative; 1e-6 absolute near 0).
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(ref.out, np.float64),
+                               rtol=2.0**-8, atol=1e-6)
   # The kernel takes the amax before the output's bf16 rounding (2**-9 relative).
   np.testing.assert_allclose(float(out_amax), float(jnp.max(jnp.abs(out.astype(jnp.float32)))),
                              rtol=2.0**-8)
@@ -198,7 +238,7 @@ def _run_fp8(shape, causal, segmented, interpret, device=None):
                                lse2_bound[finite])
 
 
-def _fp8_accumulator_errors(q, k, v, g, sm, p_rounding):
+def _fp8_accumulator_errors(q, k, v, g, sm, p_rounding, ds_rounding):
   """(p_rounding, dp_err, ds_rounding, lse2_err) for the compiled FP8 kernels on a Hopper GPU.
 
   Its FP8 wgmma sums products in fewer bits than float32 (about 14, DeepSeek-V3
@@ -217,7 +257,7 @@ def _fp8_accumulator_errors(q, k, v, g, sm, p_rounding):
   sequence = max(q.shape[1], k.shape[1])
   p_rounding = p_rounding + 2 * s_err.max() + chained(sequence)
   dp_err = chained(head_dim) * np.einsum("bqhd,bkhd->bhqk", np.abs(g), np.abs(vr))
-  return p_rounding, dp_err, BF16 + 2 * s_err.max(), s_err / np.log(2.0)
+  return p_rounding, dp_err, ds_rounding + 2 * s_err.max(), s_err / np.log(2.0)
 
 
 # (batch, q_len, kv_len, heads, kv_heads, head_dim), causal, segment ids
@@ -245,6 +285,13 @@ def test_bf16_forward_and_gradients_match_float64_in_cpu_interpreter(shape, caus
 @pytest.mark.parametrize("shape, causal, segmented", _FP8_INTERPRETER_CASES)
 def test_fp8_forward_and_backward_match_float64_in_cpu_interpreter(shape, causal, segmented):
   _run_fp8(shape, causal, segmented, _interpreter())
+  _check_no_races()
+
+
+def test_block_scaled_fp8_forward_and_backward_match_float64_in_cpu_interpreter():
+  # Two 128-row blocks of q, k and v per head, each its own descale; GQA 2:1 (the dK/dV
+  # kernel reads both query heads' descales), causal and segment ids (masked steps).
+  _run_fp8((1, 256, 256, 2, 1, 64), True, True, _interpreter(), block_scaled=True)
   _check_no_races()
 
 
