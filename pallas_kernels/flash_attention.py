@@ -1051,18 +1051,14 @@ def attention_reference(
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def _reference_multipliers(sm_scale: float, descales, q, k):
-  """(logit, P and output multipliers) of `fp8_forward_reference`, broadcastable to its
-  logits [b, kv_heads, group, q, kv], to P's keys [b, kv_heads, 1, 1, kv] and to its
-  [b, q, kv_heads, group, d] accumulator."""
+def block_descale_rows(descales, q, k):
+  """(descale_q [b, heads, q_len], descale_k, descale_v [b, kv_heads, kv_len]): block
+  descales (one per SCALE_BLOCK rows of each head) expanded to one per row, float32; None
+  when all three are per tensor (size 1). Raises ValueError for other shapes."""
   if all(math.prod(jnp.shape(d)) == 1 for d in descales):
-    descales = tuple(_scalar_f32(jnp.reshape(d, ()), name) for d, name in
-                     zip(descales, ("descale_q", "descale_k", "descale_v")))
-    return (_logit_multiplier(sm_scale, descales), jnp.full((1,) * 5, P_SCALE, jnp.float32),
-            descales[2] * (1.0 / P_SCALE))
+    return None
   batch, q_len, num_heads, _ = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
-  group = num_heads // num_kv_heads
   rows = {"descale_q": (batch, num_heads, _cdiv(q_len, SCALE_BLOCK), q_len),
           "descale_k": (batch, num_kv_heads, _cdiv(kv_len, SCALE_BLOCK), kv_len),
           "descale_v": (batch, num_kv_heads, _cdiv(kv_len, SCALE_BLOCK), kv_len)}
@@ -1074,10 +1070,26 @@ def _reference_multipliers(sm_scale: float, descales, q, k):
                        "(or pass all three descales as scalars).")
     per_row.append(jnp.repeat(jnp.asarray(d, jnp.float32), SCALE_BLOCK,
                               axis=2)[..., :length])
-  dq, dk, dv = per_row
+  return tuple(per_row)
+
+
+def _reference_multipliers(sm_scale: float, descales, q, k):
+  """(logit, P and output multipliers) of `fp8_forward_reference`, broadcastable to its
+  logits [b, kv_heads, group, q, kv], to P's keys [b, kv_heads, 1, 1, kv] and to its
+  [b, q, kv_heads, group, d] accumulator."""
+  rows = block_descale_rows(descales, q, k)
+  if rows is None:
+    descales = tuple(_scalar_f32(jnp.reshape(d, ()), name) for d, name in
+                     zip(descales, ("descale_q", "descale_k", "descale_v")))
+    return (_logit_multiplier(sm_scale, descales), jnp.full((1,) * 5, P_SCALE, jnp.float32),
+            descales[2] * (1.0 / P_SCALE))
+  batch, q_len, num_heads, _ = q.shape
+  num_kv_heads = k.shape[2]
+  dq, dk, dv = rows
   v_max = jnp.max(dv, axis=2, keepdims=True)
   v_max = jnp.where(v_max > 0, v_max, 1.0)  # [b, kv_heads, 1], as the Hopper wrapper does
-  logit = (jnp.float32(sm_scale * LOG2E) * dq.reshape(batch, num_kv_heads, group, q_len, 1)
+  logit = (jnp.float32(sm_scale * LOG2E)
+           * dq.reshape(batch, num_kv_heads, num_heads // num_kv_heads, q_len, 1)
            ) * dk[:, :, None, None, :]
   p = (P_SCALE * (dv / v_max))[:, :, None, None, :]
   out = (v_max[:, None, :, :, None] * (1.0 / P_SCALE))  # [b, 1, kv_heads, 1, 1]
