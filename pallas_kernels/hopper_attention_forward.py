@@ -68,11 +68,19 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
   def slot_of(step):
     return lax.rem(step, jnp.int32(stages))
 
+  def arrive_turn():
+    if blocks.ping_pong:
+      plgpu.barrier_arrive(s.turn)
+
+  def wait_turn():
+    if blocks.ping_pong:
+      plgpu.barrier_wait(s.turn)
+
   def take_turn():
     # Ping-pong: each compute warpgroup arrives and waits, so one issues wgmma while
-    # the other does softmax.
-    plgpu.barrier_arrive(s.turn)
-    plgpu.barrier_wait(s.turn)
+    # the other does softmax (without ping-pong both issue as they go).
+    arrive_turn()
+    wait_turn()
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
@@ -141,9 +149,9 @@ def _forward_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBloc
         p_operand = p_tile
       else:
         p_operand = p.astype(refs.q.dtype)
-      plgpu.barrier_arrive(s.turn)  # softmax done: the other warpgroup's wgmma may go
+      arrive_turn()  # softmax done: the other warpgroup's wgmma may go
       plgpu.barrier_wait(s.v_ready.at[slot])
-      plgpu.barrier_wait(s.turn)    # the tensor cores are ours again
+      wait_turn()    # the tensor cores are ours again
 
       def wait_next_k():
         @pl.when(step + 1 < steps)

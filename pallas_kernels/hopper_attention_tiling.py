@@ -58,6 +58,9 @@ class HopperAttentionBlockSizes:
     block_q_dq, block_kv_dq: dQ kernel: query rows per warpgroup, keys per step.
     block_kv_dkv, block_q_dkv: dK/dV kernel: key rows per warpgroup, queries per step.
     num_stages: depth of each shared-memory ring (>= 2).
+    ping_pong: the forward's two compute warpgroups take turns on the tensor cores (one's
+      softmax under the other's wgmma, FlashAttention-3); False lets both issue freely
+      (a tuning variant, `benchmarks.attention --tune`).
   """
 
   block_q: int = 64
@@ -67,6 +70,7 @@ class HopperAttentionBlockSizes:
   block_kv_dkv: int = 64
   block_q_dkv: int = 64
   num_stages: int = 2
+  ping_pong: bool = True
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dq", "block_kv_dkv"):
@@ -81,6 +85,8 @@ class HopperAttentionBlockSizes:
     if not isinstance(self.num_stages, int) or self.num_stages < 2:
       raise ValueError(f"HopperAttentionBlockSizes.num_stages={self.num_stages!r} must be an "
                        "int >= 2, so that the TMA copies overlap compute.")
+    if not isinstance(self.ping_pong, bool):
+      raise ValueError(f"HopperAttentionBlockSizes.ping_pong={self.ping_pong!r} must be a bool.")
 
   @property
   def seq_multiple(self) -> int:

@@ -56,7 +56,7 @@ from fp8jax.mesh.explicit import is_explicitly_sharded
 from fp8jax.mesh.partitioning import shard_local_attention, vmapped_as
 from fp8jax.mesh.target import compile_target
 from fp8jax.ops.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, make_key,
-                                          select_backend)
+                                          select_backend, tuned_block_sizes)
 from fp8jax.ops.cast import quantize_with_meta
 from fp8jax.ops import attention_rotation, saved_activations
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
@@ -78,6 +78,22 @@ class _Call:
   block_scales: bool = False
   # FP8: q and k turned by `attention_rotation.rotate` before they are quantized.
   rotate: bool = False
+  # The Hopper kernels' tiles: the tuned ones for this GPU (`_hopper_blocks`) or None for
+  # the kernels' defaults.
+  hopper_blocks: pallas_kernels.HopperAttentionBlockSizes | None = None
+
+  @property
+  def block_sizes(self) -> pallas_kernels.HopperAttentionBlockSizes:
+    return self.hopper_blocks or pallas_kernels.HopperAttentionBlockSizes()
+
+
+def _hopper_blocks(backend: str, causal: bool, head_dim: int):
+  """The tuned tiles of a Hopper backend on the compile target's GPU, or None."""
+  if not backend.startswith("pallas_hopper"):
+    return None
+  precision = "fp8" if backend == "pallas_hopper_fp8" else "bf16"
+  tuned = tuned_block_sizes(compile_target().gpu_arch, precision, causal, head_dim)
+  return pallas_kernels.HopperAttentionBlockSizes(**tuned) if tuned else None
 
 
 def _interpret() -> bool | None:
@@ -178,7 +194,9 @@ def _bf16_attention(backend, q, k, v, causal, q_segment_ids, kv_segment_ids, sm_
   """16-bit attention on one backend ("pallas", "pallas_hopper", "cudnn" or "xla")."""
   if backend in ("pallas", "pallas_hopper"):
     return _fused_bf16_attention(q, k, v, q_segment_ids, kv_segment_ids,
-                                 _Call(backend, causal, sm_scale, _interpret()))
+                                 _Call(backend, causal, sm_scale, _interpret(),
+                                       hopper_blocks=_hopper_blocks(backend, causal,
+                                                                    q.shape[-1])))
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
                              implementation=backend)
 
@@ -196,7 +214,7 @@ def _fused_bf16_attention_fwd(q, k, v, q_seg, kv_seg, call):
     def kernel(q, k, v, q_seg, kv_seg):  # lse is base 2 here, as the backward takes it
       return pallas_kernels.hopper_bf16_attention_forward(
           q, k, v, causal=call.causal, sm_scale=call.sm_scale, q_segment_ids=q_seg,
-          kv_segment_ids=kv_seg)
+          kv_segment_ids=kv_seg, block_sizes=call.block_sizes)
   else:
     def kernel(q, k, v, q_seg, kv_seg):
       result = pallas_kernels.flash_attention_forward(
@@ -214,7 +232,7 @@ def _fused_bf16_attention_bwd(call, residuals, g):
     def kernel(q, k, v, out, lse, g, q_seg, kv_seg):
       return pallas_kernels.hopper_bf16_attention_backward(
           q, k, v, out, lse, g, causal=call.causal, sm_scale=call.sm_scale,
-          q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+          q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_sizes=call.block_sizes)
   else:
     def kernel(q, k, v, out, lse, g, q_seg, kv_seg):
       return pallas_kernels.flash_attention_backward(
@@ -310,7 +328,8 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
                           backend=backend, block_scales=bool(block_scales))
   call = _Call(choice.name, causal, sm_scale, _interpret(), bool(save_output_fp8),
-               bool(block_scales), bool(rotate))
+               bool(block_scales), bool(rotate),
+               _hopper_blocks(choice.name, causal, q.shape[-1]))
   with reverse_mode_only("fp8jax.fp8_attention", "fp8jax.attention (bf16)"):
     return _fp8_attention(q, k, v, meta, q_segment_ids, kv_segment_ids, call)
 
@@ -378,7 +397,8 @@ def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
       # lse is base 2 here: hopper_fp8_attention_backward takes it as it is.
       return pallas_kernels.hopper_fp8_attention_forward(
           q8, k8, v8, descale_q, descale_k, descale_v, causal=call.causal,
-          sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+          sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+          block_sizes=call.block_sizes)
   else:
     def kernel(q8, k8, v8, descale_q, descale_k, descale_v, q_seg, kv_seg):
       result = pallas_kernels.flash_attention_forward(
@@ -403,7 +423,7 @@ def _fused_fp8_backward(backend, q8, k8, v8, descales, out, lse, g, q_seg, kv_se
       return pallas_kernels.hopper_fp8_attention_backward(
           q8, k8, v8, out, lse, g8, descale_q, descale_k, descale_v, causal=call.causal,
           sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-          g_descale=descale_g)
+          g_descale=descale_g, block_sizes=call.block_sizes)
     operands = ("bshd", "btkd", "btkd", "bshd", "bhs", "bshd", *_descale_layouts(call), "",
                 "bs", "bt")
     args = (q8, k8, v8, out, lse, g8, *descales, descale_g, q_seg, kv_seg)

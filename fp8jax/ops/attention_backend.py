@@ -34,7 +34,13 @@ The measured table is data, `attention_speeds.json` beside this module:
   {"source": the GPU benchmark it is derived from (benchmarks/results/),
    "failed_checks": rows a separate GPU check found wrong,
    "measured": {gpu_arch: {mask: {precision: {backend: {"forward_tflops",
-                                                       "backward_tflops", "validated"}}}}}}
+                                                       "backward_tflops", "validated"}}}}},
+   "tuning_source": the tuning run the next entry is from (or null),
+   "tuned": {gpu_arch: {precision: {mask: {head_dim: HopperAttentionBlockSizes fields}}}}}
+
+"tuned" holds the fastest tiles, pipeline depth and ping-pong setting of the Hopper
+kernels found by `python -m benchmarks.attention --tune` on that GPU; the Hopper backends
+run with them (`tuned_block_sizes`), and with the kernels' defaults where none is listed.
 
 mask is "none" or "causal" (what the benchmark measures; segment ids rank as the mask
 without them), precision "bf16" or "fp8". `validated` holds when the row's numerics
@@ -70,6 +76,7 @@ SPEEDS_FILE = pathlib.Path(__file__).with_name("attention_speeds.json")
 _SPEEDS = json.loads(SPEEDS_FILE.read_text())
 SOURCE = _SPEEDS["source"]
 MEASURED = _SPEEDS["measured"]
+TUNED = _SPEEDS.get("tuned", {})
 
 
 def seconds_per_forward_flop(entry: dict) -> float:
@@ -83,6 +90,14 @@ def measured(gpu_arch: str | None, mask: str, precision: str) -> dict:
   by_mask = MEASURED.get(gpu_arch or "", {})
   kind = "causal" if "causal" in mask else "none"
   return by_mask.get(kind, by_mask.get("none", {})).get(precision, {})
+
+
+def tuned_block_sizes(gpu_arch: str | None, precision: str, causal: bool,
+                      head_dim: int) -> dict | None:
+  """The tuned `HopperAttentionBlockSizes` fields for this GPU, precision ("bf16" or
+  "fp8"), mask and head_dim, or None (the kernels' defaults) when none were measured."""
+  by_mask = TUNED.get(gpu_arch or "", {}).get(precision, {})
+  return by_mask.get("causal" if causal else "none", {}).get(str(head_dim))
 
 
 @dataclasses.dataclass(frozen=True)
