@@ -16,8 +16,18 @@ Sections, in this order (each writes one JSON into --out; summary.json lists the
                 FP8 grouped kernels vs JAX's bf16 Mosaic grouped GEMM (and XLA's
                 ragged_dot) at DeepSeek-like shapes -> grouped_gemm.json
   attention     benchmarks.attention: every backend, bf16 and FP8, causal and not, speed and
-                numerics -> attention.json; and the backend table fp8jax selects from,
+                numerics (jax's cuDNN FP8 attention with calibrated and with unit scales
+                among them) -> attention.json; and the backend table fp8jax selects from,
                 derived from it and the tests -> attention_speeds.json
+  attention_accuracy  benchmarks.attention_accuracy: the Hopper FP8 kernels' error against
+                bf16's reference per scaling mode (per tensor, per block, per block with
+                q and k rotated) on Gaussian, outlier and channel-outlier inputs, within a
+                time budget -> attention_accuracy.json
+  attention_tuning  benchmarks.attention --tune: the Hopper kernels' variants (tiles,
+                stages, ping-pong), bf16 and FP8, causal and not, within a time budget ->
+                attention_tuning.json, and the tiles to commit -> attention_tuned.json
+                (`python -m benchmarks.attention_speeds ... --tuning` writes them into
+                fp8jax/ops/attention_speeds.json)
   gpt           benchmarks.gpt: the demo GPT's train step, bf16 vs FP8, tokens/s -> gpt.json
   moe_gpt       benchmarks.gpt --experts 8 --top-k 2: the demo GPT with MoE layers, its bf16
                 step on JAX's Mosaic grouped GEMMs against FP8 on fp8jax's grouped kernels,
@@ -45,7 +55,10 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("tests", "dense", "grouped_gemm", "attention", "gpt", "moe_gpt", "demo")
+SECTIONS = ("tests", "dense", "grouped_gemm", "attention", "attention_accuracy",
+            "attention_tuning", "gpt", "moe_gpt", "demo")
+# What the sections after the attention tuning need (the GPT sizes itself to what is left).
+LATER_SECTIONS_S = 200.0
 # The GPU tests of the grouped FP8 GEMM kernels (their file in tests/).
 GROUPED_GEMM_TESTS = "test_ragged_matmul"
 
@@ -118,6 +131,24 @@ def run_grouped_gemm(smoke: bool, tests: dict | None) -> dict:
 def run_attention(smoke: bool) -> dict:
   from benchmarks import attention
   return attention.main(["--smoke"] if smoke else ["--repeats", "10"])
+
+
+def run_attention_accuracy(smoke: bool, seconds_left: float) -> dict:
+  from benchmarks import attention_accuracy
+  if smoke:
+    return attention_accuracy.main(["--smoke", "--inputs", "gaussian,channels", "--masks",
+                                    "none", "--modes", "per_tensor,blocks+rotate"])
+  budget = max(20.0, min(75.0, seconds_left - LATER_SECTIONS_S - 60.0))
+  return attention_accuracy.main(["--modes", "per_tensor,blocks,blocks+rotate",
+                                  "--budget-s", str(round(budget))])
+
+
+def run_attention_tuning(smoke: bool, seconds_left: float) -> dict:
+  from benchmarks import attention
+  if smoke:
+    return attention.main(["--tune", "--smoke"])
+  budget = max(20.0, min(90.0, seconds_left - LATER_SECTIONS_S))
+  return attention.main(["--tune", "--repeats", "5", "--budget-s", str(round(budget))])
 
 
 def run_gpt(smoke: bool, seconds_left: float) -> dict:
@@ -220,12 +251,23 @@ def main(argv=None) -> int:
     from benchmarks import attention_speeds
     table = attention_speeds.table_from_results(attention, tests)
     (out / "attention_speeds.json").write_text(json.dumps(table, indent=1))
-  gpt = section("gpt", lambda: run_gpt(args.smoke, args.budget_s - (time.perf_counter() - start)))
+  def seconds_left():
+    return args.budget_s - (time.perf_counter() - start)
+
+  accuracy = section("attention_accuracy",
+                     lambda: run_attention_accuracy(args.smoke, seconds_left()))
+  tuning = section("attention_tuning", lambda: run_attention_tuning(args.smoke, seconds_left()))
+  if tuning is not None:
+    from benchmarks import attention_speeds
+    (out / "attention_tuned.json").write_text(
+        json.dumps(attention_speeds.tuned_from_tuning(tuning), indent=1))
+  gpt = section("gpt", lambda: run_gpt(args.smoke, seconds_left()))
   moe_gpt = section("moe_gpt", lambda: run_moe_gpt(args.smoke, tests))
   demo = section("demo", lambda: run_demo(args.smoke))
 
   summary["seconds"] = round(time.perf_counter() - start, 1)
   summary["highlights"] = _highlights(tests, dense, grouped, attention, gpt, moe_gpt, demo)
+  summary["highlights"].update(_attention_highlights(accuracy, tuning))
   failed = [n for n, s in summary["sections"].items() if s["status"] != "ok"]
   if tests is not None and tests["failed"]:
     failed.append("tests: " + ", ".join(t["test"] for t in tests["tests"]
@@ -273,6 +315,22 @@ def _highlights(tests, dense, grouped, attention, gpt, moe_gpt, demo) -> dict:
   if demo is not None:
     found["demo"] = {r["recipe"]: {"tokens_per_s": round(r["tokens_per_s"]),
                                    "attention": r["attention_backend"]} for r in demo["runs"]}
+  return found
+
+
+def _attention_highlights(accuracy, tuning) -> dict:
+  """The FP8 kernels' errors (largest of out, dq, dk, dv) per input kind and mode, and the
+  tuned tiles."""
+  found = {}
+  if accuracy is not None:
+    for result in accuracy["results"]:
+      mask = "causal" if result["causal"] else "none"
+      found[f"attention_fp8_error_{mask}"] = {
+          f"{kind}/{mode}": round(max(errors.values()), 4)
+          for kind, modes in result["errors"].items() for mode, errors in modes.items()
+          if "skipped" not in errors}
+  if tuning is not None:
+    found["attention_tuned"] = tuning["best"]
   return found
 
 

@@ -42,7 +42,7 @@ _needs_toolchain = pytest.mark.skipif(_TOOLCHAIN_MISSING is not None,
 # The production shape the PTX facts are checked at (head_dim comes with each config).
 B, S, H = 1, 4096, 16
 
-# name -> (pass, input dtype, causal, head_dim)
+# name -> (pass, input dtype, causal, head_dim[, per-block descales])
 _ATTENTION_CONFIGS = {
     "fwd_bf16": ("forward", "bfloat16", False, 128),
     "fwd_bf16_causal": ("forward", "bfloat16", True, 128),
@@ -53,6 +53,9 @@ _ATTENTION_CONFIGS = {
     "bwd_bf16_causal": ("backward", "bfloat16", True, 128),
     "bwd_fp8": ("backward", "float8_e4m3fn", False, 128),
     "bwd_fp8_causal": ("backward", "float8_e4m3fn", True, 128),
+    # One descale per 128 rows of each head, read per key step.
+    "fwd_fp8_blocks": ("forward", "float8_e4m3fn", False, 128, True),
+    "bwd_fp8_blocks_causal": ("backward", "float8_e4m3fn", True, 128, True),
 }
 _BEGIN = "=== deviceless compile: "
 _WGMMA_OR_MMA = re.compile(r"\b(wgmma\.mma_async\.[\w.]+|mma\.sync\.[\w.]+)")
@@ -72,8 +75,8 @@ def _compile_all() -> None:
   import importlib
   ha = importlib.import_module("pallas_kernels.hopper_attention")
 
-  scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  for name, (which, dtype, causal, head_dim) in _ATTENTION_CONFIGS.items():
+  for name, (which, dtype, causal, head_dim, *blocks) in _ATTENTION_CONFIGS.items():
+    scalar = jax.ShapeDtypeStruct((B, H, S // 128) if blocks else (), jnp.float32)
     x = jax.ShapeDtypeStruct((B, S, H, head_dim), jnp.dtype(dtype))
     lse2 = jax.ShapeDtypeStruct((B, H, S), jnp.float32)
     if which == "forward" and dtype == "bfloat16":
@@ -159,6 +162,11 @@ _EXPECTED_MMA = {
                 _wgmma("m64n128k16", "bf16.bf16")},
     "bwd_fp8_causal": {_wgmma("m64n64k32", "e4m3.e4m3"), _wgmma("m64n128k32", "e4m3.e4m3"),
                        _wgmma("m64n128k16", "bf16.bf16")},
+    # Block descales change scalars only: the same products.
+    "fwd_fp8_blocks": {_wgmma("m64n128k32", "e4m3.e4m3")},
+    "bwd_fp8_blocks_causal": {_wgmma("m64n64k32", "e4m3.e4m3"),
+                              _wgmma("m64n128k32", "e4m3.e4m3"),
+                              _wgmma("m64n128k16", "bf16.bf16")},
 }
 
 
@@ -187,7 +195,8 @@ def test_kernels_are_warp_specialized_and_load_by_tma(compiled, config):
 # dV take 128 of a compute thread's 232 registers, and the masked query blocks add the
 # mask's index tiles. It spills a few words there (one copy per causal diagonal block);
 # the ceiling keeps that from growing unnoticed. Every other kernel must not spill.
-_SPILL_CEILING_BYTES = {"bwd_bf16_causal": 128, "bwd_fp8_causal": 128}
+_SPILL_CEILING_BYTES = {"bwd_bf16_causal": 128, "bwd_fp8_causal": 128,
+                        "bwd_fp8_blocks_causal": 128}
 
 
 @pytest.mark.hopper
