@@ -42,7 +42,7 @@ _needs_toolchain = pytest.mark.skipif(_TOOLCHAIN_MISSING is not None,
 # The production shape the PTX facts are checked at (head_dim comes with each config).
 B, S, H = 1, 4096, 16
 
-# name -> (pass, input dtype, causal, head_dim[, per-block descales])
+# name -> (pass, input dtype, causal, head_dim[, options: block_scales, ping_pong])
 _ATTENTION_CONFIGS = {
     "fwd_bf16": ("forward", "bfloat16", False, 128),
     "fwd_bf16_causal": ("forward", "bfloat16", True, 128),
@@ -54,8 +54,10 @@ _ATTENTION_CONFIGS = {
     "bwd_fp8": ("backward", "float8_e4m3fn", False, 128),
     "bwd_fp8_causal": ("backward", "float8_e4m3fn", True, 128),
     # One descale per 128 rows of each head, read per key step.
-    "fwd_fp8_blocks": ("forward", "float8_e4m3fn", False, 128, True),
-    "bwd_fp8_blocks_causal": ("backward", "float8_e4m3fn", True, 128, True),
+    "fwd_fp8_blocks": ("forward", "float8_e4m3fn", False, 128, {"block_scales": True}),
+    "bwd_fp8_blocks_causal": ("backward", "float8_e4m3fn", True, 128, {"block_scales": True}),
+    # The tuning variant without the warpgroups' turns.
+    "fwd_fp8_no_ping_pong": ("forward", "float8_e4m3fn", False, 128, {"ping_pong": False}),
 }
 _BEGIN = "=== deviceless compile: "
 _WGMMA_OR_MMA = re.compile(r"\b(wgmma\.mma_async\.[\w.]+|mma\.sync\.[\w.]+)")
@@ -75,14 +77,17 @@ def _compile_all() -> None:
   import importlib
   ha = importlib.import_module("pallas_kernels.hopper_attention")
 
-  for name, (which, dtype, causal, head_dim, *blocks) in _ATTENTION_CONFIGS.items():
-    scalar = jax.ShapeDtypeStruct((B, H, S // 128) if blocks else (), jnp.float32)
+  for name, (which, dtype, causal, head_dim, *options) in _ATTENTION_CONFIGS.items():
+    options = options[0] if options else {}
+    blocks = ha.HopperAttentionBlockSizes(ping_pong=options.get("ping_pong", True))
+    scalar = jax.ShapeDtypeStruct((B, H, S // 128) if options.get("block_scales") else (),
+                                  jnp.float32)
     x = jax.ShapeDtypeStruct((B, S, H, head_dim), jnp.dtype(dtype))
     lse2 = jax.ShapeDtypeStruct((B, H, S), jnp.float32)
     if which == "forward" and dtype == "bfloat16":
       fn, args = functools.partial(ha.hopper_attention, causal=causal), (x, x, x)
     elif which == "forward":
-      fn = functools.partial(ha.hopper_fp8_attention_forward, causal=causal)
+      fn = functools.partial(ha.hopper_fp8_attention_forward, causal=causal, block_sizes=blocks)
       args = (x, x, x, scalar, scalar, scalar)
     elif dtype == "bfloat16":
       def fn(q, k, v, g, causal=causal):
@@ -167,6 +172,7 @@ _EXPECTED_MMA = {
     "bwd_fp8_blocks_causal": {_wgmma("m64n64k32", "e4m3.e4m3"),
                               _wgmma("m64n128k32", "e4m3.e4m3"),
                               _wgmma("m64n128k16", "bf16.bf16")},
+    "fwd_fp8_no_ping_pong": {_wgmma("m64n128k32", "e4m3.e4m3")},
 }
 
 
@@ -189,6 +195,21 @@ def test_kernels_are_warp_specialized_and_load_by_tma(compiled, config):
   assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32", ptx)) == kernels, config
   assert len(re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32", ptx)) == kernels, config
   assert "cp.async.bulk.tensor" in ptx, f"{config}: no TMA copy"
+
+
+@pytest.mark.hopper
+@_needs_toolchain
+def test_forward_warpgroups_take_turns_on_a_shared_memory_barrier(compiled):
+  # Ping-pong (FlashAttention-3): the compute warpgroups pass the tensor cores back and
+  # forth on one two-arrival mbarrier, arriving and waiting at four places each (before
+  # the first step, while Q K^T is in flight, when the softmax is done, after the last
+  # step); without it those are gone and every other barrier stays.
+  def barriers(ptx):
+    return collections.Counter(re.findall(r"\bmbarrier\.(arrive\.release|try_wait)\b", ptx))
+  with_turns = barriers(compiled["fwd_fp8"])
+  without = barriers(compiled["fwd_fp8_no_ping_pong"])
+  assert with_turns - without == collections.Counter({"arrive.release": 4, "try_wait": 4}), (
+      with_turns, without)
 
 
 # ptxas's register budget is tight in the causal dK/dV kernel at head_dim 128: dK and
