@@ -94,8 +94,18 @@ def measured(gpu_arch: str | None, mask: str, precision: str) -> dict:
 
 def tuned_block_sizes(gpu_arch: str | None, precision: str, causal: bool,
                       head_dim: int) -> dict | None:
-  """The tuned `HopperAttentionBlockSizes` fields for this GPU, precision ("bf16" or
-  "fp8"), mask and head_dim, or None (the kernels' defaults) when none were measured."""
+  """The Hopper kernels' tuned tiles for a GPU, precision, mask and head_dim.
+
+  Args:
+    gpu_arch: e.g. "sm_90" (None: no GPU).
+    precision: "bf16" or "fp8" (which kernels).
+    causal: the mask.
+    head_dim: the head dimension.
+
+  Returns:
+    The `pallas_kernels.HopperAttentionBlockSizes` fields from the table's "tuned"
+    entry, or None (the kernels' defaults) when none was measured.
+  """
   by_mask = TUNED.get(gpu_arch or "", {}).get(precision, {})
   return by_mask.get("causal" if causal else "none", {}).get(str(head_dim))
 
