@@ -283,7 +283,7 @@ def _tune(args) -> dict:
                    backward_variants=attention_tuning.BACKWARD_VARIANTS[:1])
   result = attention_tuning.tune(
       args.batch, args.seq, args.heads, args.head_dim,
-      **{"masks": tuple(args.masks.split(",")), "precisions": ("bf16", "fp8"), **options},
+      **{"masks": tuple(args.masks.split(",")), "precisions": ("fp8", "bf16"), **options},
       repeats=args.repeats, budget_s=args.budget_s)
   report = {**environment(), "benchmark": "attention_tuning", "smoke": args.smoke, **result}
   write_report(report, args.out)
