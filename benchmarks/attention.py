@@ -279,7 +279,8 @@ def _tune(args) -> dict:
   if args.smoke:
     args.heads, args.repeats = 1, 1
     options = dict(precisions=("bf16",), masks=("none",), interpret=True, warmup=0,
-                   forward_variants=attention_tuning.FORWARD_VARIANTS[:1] + [(128, 2, False)],
+                   forward_variants=attention_tuning.FORWARD_VARIANTS[:1] + [
+                       (128, 2, False, False)],
                    backward_variants=attention_tuning.BACKWARD_VARIANTS[:1])
   result = attention_tuning.tune(
       args.batch, args.seq, args.heads, args.head_dim,

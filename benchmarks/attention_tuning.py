@@ -6,8 +6,9 @@
 
 For bf16 and FP8 (per-tensor scales), causal and not, at the benchmark's shape, the
 forward kernel is timed for each `HopperAttentionBlockSizes` forward variant (keys per
-step, pipeline stages, ping-pong on or off) and the backward kernels (dQ and dK/dV) for
-each backward variant (keys per dQ step, queries per dK/dV step, stages). The stage count
+step, pipeline stages, ping-pong on or off, intra-warpgroup overlap on or off) and the
+backward kernels (dQ and dK/dV) for each backward variant (keys per dQ step, queries per
+dK/dV step, stages). The stage count
 is shared by both passes, so the pick is the stage count with the least forward plus
 backward time (the backward counts 2.5x the forward's FLOPs, as the benchmark does), each
 pass at its fastest variant for it. Variants that do not fit (shared memory) or fail are
@@ -37,10 +38,12 @@ except ImportError:  # run as a script from benchmarks/
 
 hopper = importlib.import_module("pallas_kernels.hopper_attention")
 DEFAULT = pallas_kernels.HopperAttentionBlockSizes()
-# (block_kv, num_stages, ping_pong): the default first.
-FORWARD_VARIANTS = [(DEFAULT.block_kv, DEFAULT.num_stages, DEFAULT.ping_pong)] + [
-    v for v in itertools.product((128, 64), (2, 3, 4), (True, False))
-    if v != (DEFAULT.block_kv, DEFAULT.num_stages, DEFAULT.ping_pong)]
+# (block_kv, num_stages, ping_pong, overlap): the default first, then what is most likely
+# to win (FlashAttention-3's intra-warpgroup overlap wants 3 stages), then the rest.
+_FIRST = [(DEFAULT.block_kv, DEFAULT.num_stages, DEFAULT.ping_pong, DEFAULT.overlap),
+          (128, 3, True, True), (64, 3, True, True), (128, 2, True, True), (128, 2, False, False)]
+FORWARD_VARIANTS = _FIRST + [v for v in itertools.product((128, 64), (2, 3, 4), (True, False),
+                                                          (False, True)) if v not in _FIRST]
 # (block_kv_dq, block_q_dkv, num_stages): the default first.
 BACKWARD_VARIANTS = [(DEFAULT.block_kv_dq, DEFAULT.block_q_dkv, DEFAULT.num_stages)] + [
     v for v in itertools.product((64, 128), (64, 128), (2, 3))
@@ -49,8 +52,9 @@ BACKWARD_FLOP_RATIO = 2.5
 
 
 def forward_blocks(variant) -> pallas_kernels.HopperAttentionBlockSizes:
-  block_kv, stages, ping_pong = variant
-  return dataclasses.replace(DEFAULT, block_kv=block_kv, num_stages=stages, ping_pong=ping_pong)
+  block_kv, stages, ping_pong, overlap = variant
+  return dataclasses.replace(DEFAULT, block_kv=block_kv, num_stages=stages, ping_pong=ping_pong,
+                             overlap=overlap)
 
 
 def backward_blocks(variant) -> pallas_kernels.HopperAttentionBlockSizes:

@@ -61,6 +61,10 @@ class HopperAttentionBlockSizes:
     ping_pong: the forward's two compute warpgroups take turns on the tensor cores (one's
       softmax under the other's wgmma, FlashAttention-3); False lets both issue freely
       (a tuning variant, `benchmarks.attention --tune`).
+    overlap: the forward issues key block j's Q K^T and block j-1's P V together and runs
+      block j's softmax under P V (FlashAttention-3's intra-warpgroup overlap); its K
+      and V slots are held a step longer, so it wants num_stages >= 3 to keep the loads
+      ahead. Off by default until a GPU has timed it (a tuning variant).
   """
 
   block_q: int = 64
@@ -71,6 +75,7 @@ class HopperAttentionBlockSizes:
   block_q_dkv: int = 64
   num_stages: int = 2
   ping_pong: bool = True
+  overlap: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dq", "block_kv_dkv"):
@@ -85,8 +90,10 @@ class HopperAttentionBlockSizes:
     if not isinstance(self.num_stages, int) or self.num_stages < 2:
       raise ValueError(f"HopperAttentionBlockSizes.num_stages={self.num_stages!r} must be an "
                        "int >= 2, so that the TMA copies overlap compute.")
-    if not isinstance(self.ping_pong, bool):
-      raise ValueError(f"HopperAttentionBlockSizes.ping_pong={self.ping_pong!r} must be a bool.")
+    for name in ("ping_pong", "overlap"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"HopperAttentionBlockSizes.{name}={getattr(self, name)!r} must be a "
+                         "bool.")
 
   @property
   def seq_multiple(self) -> int:

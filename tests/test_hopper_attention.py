@@ -120,10 +120,10 @@ def _check_no_races():
   assert not gpu_callbacks.get_races().races_found, "the interpreter found a data race"
 
 
-def _run_bf16(shape, causal, segmented, interpret, device=None):
+def _run_bf16(shape, causal, segmented, interpret, device=None, blocks=None):
   import jax
   import jax.numpy as jnp
-  from pallas_kernels.hopper_attention import hopper_attention
+  from pallas_kernels.hopper_attention import HopperAttentionBlockSizes, hopper_attention
   q, k, v, g, (q_ids, kv_ids) = _problem(0, *shape, segmented)
   q, k, v, g = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g))
   if device is not None:
@@ -132,7 +132,8 @@ def _run_bf16(shape, causal, segmented, interpret, device=None):
 
   def attend(q, k, v):
     return hopper_attention(q, k, v, causal=causal, q_segment_ids=q_ids,
-                            kv_segment_ids=kv_ids, interpret=interpret)
+                            kv_segment_ids=kv_ids, interpret=interpret,
+                            block_sizes=blocks or HopperAttentionBlockSizes())
   out, vjp = jax.vjp(jax.jit(attend), q, k, v)
   got = (out,) + vjp(g)
   f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, g)]
@@ -168,7 +169,8 @@ def _per_row(descale, scale_block=128):
   return np.repeat(np.swapaxes(descale, 1, 2), scale_block, axis=1)[..., None]
 
 
-def _run_fp8(shape, causal, segmented, interpret, device=None, block_scaled=False):
+def _run_fp8(shape, causal, segmented, interpret, device=None, block_scaled=False,
+             blocks=None):
   import jax
   import jax.numpy as jnp
   import importlib
@@ -185,7 +187,8 @@ def _run_fp8(shape, causal, segmented, interpret, device=None, block_scaled=Fals
   if device is not None:
     q8, k8, v8 = jax.device_put((q8, k8, v8), device)
   sm = q.shape[-1] ** -0.5
-  kwargs = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret)
+  kwargs = dict(causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret,
+                block_sizes=blocks or ha.HopperAttentionBlockSizes())
   kernel_descales = [jnp.asarray(d, jnp.float32) for d in descales]
   out, out_amax, lse2 = jax.jit(lambda *a: ha.hopper_fp8_attention_forward(*a, **kwargs))(
       q8, k8, v8, *kernel_descales)
@@ -301,10 +304,27 @@ def test_fp8_forward_and_backward_match_float64_in_cpu_interpreter(shape, causal
   _check_no_races()
 
 
+# FlashAttention-3's intra-warpgroup overlap (a tuning variant): block j's Q K^T and
+# block j-1's P V in flight together, three stages.
+_OVERLAP = dict(overlap=True, num_stages=3)
+
+
 def test_block_scaled_fp8_forward_and_backward_match_float64_in_cpu_interpreter():
   # Two 128-row blocks of q, k and v per head, each its own descale; GQA 2:1 (the dK/dV
-  # kernel reads both query heads' descales), causal and segment ids (masked steps).
-  _run_fp8((1, 256, 256, 2, 1, 64), True, True, _interpreter(), block_scaled=True)
+  # kernel reads both query heads' descales), causal and segment ids (masked steps); the
+  # forward with the overlapped schedule (its two P tiles, masked first and later steps).
+  from pallas_kernels import HopperAttentionBlockSizes
+  _run_fp8((1, 256, 256, 2, 1, 64), True, True, _interpreter(), block_scaled=True,
+           blocks=HopperAttentionBlockSizes(**_OVERLAP))
+  _check_no_races()
+
+
+def test_bf16_overlapped_forward_matches_float64_in_cpu_interpreter():
+  # kv_len > q_len, causal: each warpgroup has unmasked steps, then masked ones, and the
+  # shorter one drains; P stays in registers for the next step's P V.
+  from pallas_kernels import HopperAttentionBlockSizes
+  _run_bf16((1, 128, 384, 2, 1, 64), True, False, _interpreter(),
+            blocks=HopperAttentionBlockSizes(**_OVERLAP))
   _check_no_races()
 
 

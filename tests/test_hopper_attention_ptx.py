@@ -58,6 +58,12 @@ _ATTENTION_CONFIGS = {
     "bwd_fp8_blocks_causal": ("backward", "float8_e4m3fn", True, 128, {"block_scales": True}),
     # The tuning variant without the warpgroups' turns.
     "fwd_fp8_no_ping_pong": ("forward", "float8_e4m3fn", False, 128, {"ping_pong": False}),
+    # The tuning variant with FlashAttention-3's intra-warpgroup overlap (3 stages; bf16
+    # with 64 keys per step, which 3 stages of bf16 K and V need to fit shared memory).
+    "fwd_fp8_overlap": ("forward", "float8_e4m3fn", True, 128,
+                        {"overlap": True, "num_stages": 3}),
+    "fwd_bf16_overlap": ("forward", "bfloat16", False, 128,
+                         {"overlap": True, "num_stages": 3, "block_kv": 64}),
 }
 _BEGIN = "=== deviceless compile: "
 _WGMMA_OR_MMA = re.compile(r"\b(wgmma\.mma_async\.[\w.]+|mma\.sync\.[\w.]+)")
@@ -78,14 +84,15 @@ def _compile_all() -> None:
   ha = importlib.import_module("pallas_kernels.hopper_attention")
 
   for name, (which, dtype, causal, head_dim, *options) in _ATTENTION_CONFIGS.items():
-    options = options[0] if options else {}
-    blocks = ha.HopperAttentionBlockSizes(ping_pong=options.get("ping_pong", True))
-    scalar = jax.ShapeDtypeStruct((B, H, S // 128) if options.get("block_scales") else (),
-                                  jnp.float32)
+    options = dict(options[0]) if options else {}
+    block_scales = options.pop("block_scales", False)
+    blocks = ha.HopperAttentionBlockSizes(**options)
+    scalar = jax.ShapeDtypeStruct((B, H, S // 128) if block_scales else (), jnp.float32)
     x = jax.ShapeDtypeStruct((B, S, H, head_dim), jnp.dtype(dtype))
     lse2 = jax.ShapeDtypeStruct((B, H, S), jnp.float32)
     if which == "forward" and dtype == "bfloat16":
-      fn, args = functools.partial(ha.hopper_attention, causal=causal), (x, x, x)
+      fn = functools.partial(ha.hopper_attention, causal=causal, block_sizes=blocks)
+      args = (x, x, x)
     elif which == "forward":
       fn = functools.partial(ha.hopper_fp8_attention_forward, causal=causal, block_sizes=blocks)
       args = (x, x, x, scalar, scalar, scalar)
@@ -173,6 +180,9 @@ _EXPECTED_MMA = {
                               _wgmma("m64n128k32", "e4m3.e4m3"),
                               _wgmma("m64n128k16", "bf16.bf16")},
     "fwd_fp8_no_ping_pong": {_wgmma("m64n128k32", "e4m3.e4m3")},
+    "fwd_fp8_overlap": {_wgmma("m64n128k32", "e4m3.e4m3")},
+    # 64 keys per step: Q K^T is m64n64, P V m64n128.
+    "fwd_bf16_overlap": {_wgmma("m64n64k16", "bf16.bf16"), _wgmma("m64n128k16", "bf16.bf16")},
 }
 
 
@@ -210,6 +220,34 @@ def test_forward_warpgroups_take_turns_on_a_shared_memory_barrier(compiled):
   without = barriers(compiled["fwd_fp8_no_ping_pong"])
   assert with_turns - without == collections.Counter({"arrive.release": 4, "try_wait": 4}), (
       with_turns, without)
+
+
+def _in_order(ptx: str) -> list[str]:
+  """The wgmma issues, wgmma waits (with their group count) and ex2 of a PTX text, in order."""
+  return [re.sub(r"\s+", " ", op) for op in re.findall(
+      r"wgmma\.mma_async\.sync\.aligned\.\w+|wgmma\.wait_group\.sync\.aligned\s+\d+|"
+      r"ex2\.approx", ptx)]
+
+
+@pytest.mark.hopper
+@_needs_toolchain
+@pytest.mark.parametrize("config, issued", [("fwd_fp8_overlap", 4 + 4),
+                                            ("fwd_bf16_overlap", 8 + 4)])
+def test_overlapped_forward_runs_block_js_exp_under_block_j_minus_1s_p_v(compiled, config,
+                                                                          issued):
+  # FlashAttention-3's intra-warpgroup overlap: the key loop issues S_j = Q K_j^T and
+  # P_{j-1} V_{j-1} back to back (D=128: FP8 4 + 4 k32 instructions; bf16 with 64 keys
+  # 8 k16 for S and 4 for P V), waits for the first group only (wait_group 1), computes
+  # block j's exponentials while P V runs, and waits for P V (wait_group 0) after them.
+  ops = _in_order(compiled[config])
+  waits = [i for i, op in enumerate(ops) if op == "wgmma.wait_group.sync.aligned 1"]
+  assert waits, f"{config}: no wgmma.wait_group 1 (no product left in flight)"
+  for i in waits:
+    assert all(op.startswith("wgmma.mma_async") for op in ops[i - issued:i]), ops[i - issued:i]
+    after = ops[i + 1:ops.index("wgmma.wait_group.sync.aligned 0", i)]
+    assert after and all(op == "ex2.approx" for op in after), after
+  # The plain schedule waits for every product before its softmax.
+  assert "wgmma.wait_group.sync.aligned 1" not in _in_order(compiled["fwd_fp8"])
 
 
 # ptxas's register budget is tight in the causal dK/dV kernel at head_dim 128: dK and
