@@ -10,9 +10,9 @@ by the options given here that this script does not take itself (e.g. `--experts
 --top-k 2`), in a process of its own, so `wall_s` is what the user waits (compiles
 included). The JSON holds:
 
-    command, machine, wall_s {seed: s}, config (compare.json's settings but the seed,
-                                                 which is each key of seeds),
-    seeds {seed: compare.json's runs}, versions (compare.json's),
+    command, machine (compare.json's: the processor, its cores and instruction sets),
+    wall_s {seed: s}, config (compare.json's settings but the seed, which is each key
+    of seeds), seeds {seed: compare.json's runs}, versions and corpus (compare.json's),
     <recipe>_rel_gap_vs_bf16_mean / _max   over the seeds, each seed's gap against its own
                                            bf16 run (final_loss / bf16's - 1),
     <recipe>_final_loss_mean, bf16_final_loss_spread [min, max] over the seeds,
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import shutil
 import subprocess
 import sys
@@ -59,16 +57,6 @@ def summarize(seeds: dict) -> dict:
   return summary
 
 
-def machine() -> str:
-  """E.g. "2-core x86_64 CPU, Python 3.11, jax 0.10.2" (or the GPU's name)."""
-  import jax
-  device = jax.devices()[0]
-  where = (f"{os.cpu_count()}-core {platform.machine()} CPU" if device.platform == "cpu"
-           else device.device_kind)
-  return (f"{where}, Python {'.'.join(platform.python_version_tuple()[:2])}, "
-          f"jax {jax.__version__}")
-
-
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -97,9 +85,10 @@ def main(argv=None) -> dict:
   shown = " ".join(compare_options + ["--seed", "S"])
   record = {"command": f"fp8jax compare {shown} (S = {', '.join(map(str, args.seeds))}), "
                        "defaults otherwise",
-            "machine": machine(), "wall_s": wall,
+            "machine": report["machine"], "wall_s": wall,
             "config": {k: v for k, v in report["config"].items() if k != "seed"},
-            "seeds": seeds, **summarize(seeds), "versions": report["versions"]}
+            "seeds": seeds, **summarize(seeds), "versions": report["versions"],
+            "corpus": report["corpus"]}
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
   if args.table:
     first = pathlib.Path(args.runs) / f"seed_{args.seeds[0]}"

@@ -69,6 +69,8 @@ def train(model, x, y, steps, batch, lr, key, label):
     return optax.apply_updates(params, updates), opt_state, fp8_state, loss
 
   n_batches = x.shape[0] // batch
+  if fp8_state:  # once, before the first step: seed the FP8 scales from the first batch
+    fp8_state = jax.jit(fp8jax.calibrate(loss_fn))(params, fp8_state, x[:batch], y[:batch])
   losses = []
   start = time.perf_counter()
   for step in tqdm(range(steps), desc=label, leave=False):

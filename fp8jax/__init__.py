@@ -5,9 +5,11 @@ state, and the FP8 state (`Fp8Meta`: scale + amax history per tensor role).
 
 Public submodules besides the names below: `fp8jax.flax.linen` and
 `fp8jax.flax.nnx` (Flax layers), `fp8jax.checkpoint` (orbax checkpoints; needs
-the 'checkpoint' extra), `fp8jax.sharding`, `fp8jax.lowering` (GEMM report and
-cost model), `fp8jax.deviceless`, `fp8jax.attention_backend` and
-`fp8jax.fused_kernels` (where the fused FP8 kernels run; `fused_kernels(True)`),
+the 'checkpoint' extra), `fp8jax.step.all_reduce` and `fp8jax.mesh.axes` (FP8
+state on a mesh), `fp8jax.lowering` (GEMM report and cost model),
+`fp8jax.deviceless`, `fp8jax.attention_backend` (`fp8jax.ops.attention_backend`:
+which attention kernel runs) and `fp8jax.fused_kernels` (`fp8jax.ops.fused_kernels`:
+where the fused FP8 kernels run; `fused_kernels(True)`),
 `fp8jax.telemetry` (what quantization does to each tensor: saturation,
 underflow, SNR), `fp8jax.optim` (Adam / AdamW with FP8 moments),
 `fp8jax.saved_activations` (activations kept for the backward in FP8, and a
@@ -31,6 +33,7 @@ from fp8jax.core.quantize import amax, dequantize, quantize, scale_from_amax
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.einsum import fp8_einsum
+from fp8jax.ops.mlp import fp8_mlp
 from fp8jax.ops.ragged_dot import fp8_ragged_dot
 from fp8jax.ops.bf16_ragged_dot import bf16_ragged_dot
 from fp8jax.ops.attention import attention, fp8_attention
@@ -40,13 +43,11 @@ from fp8jax.ops import saved_activations  # noqa: F401  (fp8jax.saved_activation
 from fp8jax.ops.guards import (ForwardModeError, Fp8StateGradientError, UnthreadedStateError,
                                differentiating_fp8_state)
 from fp8jax.step.close import begin_step, close_step, end_step, merge_step
-from fp8jax.step.training import accumulate_gradients, value_and_grad
+from fp8jax.step.training import accumulate_gradients, calibrate, value_and_grad
 from fp8jax.step.all_reduce import all_reduce_amax
-# The tools, and the documented modules at their old paths (docs/development.md, "Layout"), which
-# `import fp8jax` has always made reachable as attributes (fp8jax.sharding.replicated).
-from fp8jax import (attention_backend, attention_partitioning, deviceless,  # noqa: F401
-                    fused_kernels, kernel_partitioning, lowering, optim, recipes, sharding,
-                    telemetry, weight_reuse)
+# The tools; the attention backends and the fused kernels are public submodules of ops.
+from fp8jax import deviceless, lowering, optim, telemetry  # noqa: F401
+from fp8jax.ops import attention_backend, fused_kernels  # noqa: F401
 
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "formats_for",
@@ -56,9 +57,9 @@ __all__ = [
     "resize_history",
     "amax", "dequantize", "quantize",
     "begin_step", "close_step", "end_step", "merge_step", "scale_from_amax",
-    "fp8_dot_general", "fp8_dense", "fp8_einsum",
+    "fp8_dot_general", "fp8_dense", "fp8_einsum", "fp8_mlp",
     "RaggedDotMeta", "fp8_ragged_dot", "init_ragged_dot_meta", "bf16_ragged_dot",
-    "accumulate_gradients", "value_and_grad", "UnthreadedStateError",
+    "accumulate_gradients", "calibrate", "value_and_grad", "UnthreadedStateError",
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",

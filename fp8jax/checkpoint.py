@@ -94,7 +94,9 @@ from fp8jax.core.formats import E4M3, E5M2
 from fp8jax.core.meta import Fp8Meta, check_fp8_state, is_meta
 
 FORMAT_NAME = "fp8jax.checkpoint"
+#: The format version `save` writes (in each checkpoint's metadata).
 FORMAT_VERSION = 3
+#: The format versions `restore` reads; others are refused by name.
 READABLE_VERSIONS = (1, 2, 3)
 FIRST_CHECKSUMMED_VERSION = 3
 TMP_MARKER = ".orbax-checkpoint-tmp"

@@ -25,6 +25,7 @@ import jax
 
 from fp8jax import platform_guard  # noqa: F401  (the CUDA plugin must register quietly)
 
+#: The H100 SXM target description deviceless compiles use (in `fp8jax.targets`).
 H100_TARGET = "h100_sxm.txtpb"
 
 

@@ -49,6 +49,7 @@ from fp8jax.core.recipes import is_fine_grained
 from fp8jax.core.validation import check_floating
 from fp8jax.ops.cast import cast_scale
 
+#: The Flax collection the layers sow their `TensorStats` into.
 TELEMETRY_COLLECTION = "fp8_telemetry"
 
 
@@ -259,7 +260,8 @@ def ragged_dot_stats(x: jax.Array, w: jax.Array, meta: RaggedDotMeta) -> dict[st
           "kernel": TensorStats(*(jnp.stack(field) for field in zip(*experts)))}
 
 
-# float32 log2s of a scale computed as fmt.max / amax differ from 0 by ~1e-6 at most.
+#: Headrooms smaller than this (in binades) are reported as 0: float32 log2s of a scale
+#: computed as fmt.max / amax differ from 0 by ~1e-6 at most.
 HEADROOM_ROUNDING = 2.0 ** -16
 
 

@@ -14,7 +14,8 @@
 * `cast_transpose_amax`: one pass over a 2-D tensor that writes its FP8 copy, the
   transposed FP8 copy and its amax folded into a running amax (Triton-lowered on GPUs,
   the Pallas interpreter on CPU); `cast_transpose_amax_reference` is its plain-jnp
-  definition, `CastTransposeBlockSizes` its tiles.
+  definition, `CastTransposeBlockSizes` its tiles. With `valid_rows` only the leading
+  rows are read (`rows_in_use`: the others as 0), for a grouped GEMM's padded rows.
 * `cast_transpose_amax_in_chain`: the same kernel as one launch of a chain (an FP8
   layer's casts) that leaves no buffer to initialise before it: the first launch
   writes its tile maxima (`tile_count` of them), a later one reduces them and writes
@@ -48,7 +49,8 @@
   `jax.shard_map` on this JAX (they declare how their outputs vary over its
   mesh axes; `pallas_kernels.varying`).
 """
-from pallas_kernels.cast_transpose import cast_transpose_amax, cast_transpose_amax_reference
+from pallas_kernels.cast_transpose import (cast_transpose_amax, cast_transpose_amax_reference,
+                                           rows_in_use)
 from pallas_kernels.cast_transpose_chain import (ChainedCast, cast_transpose_amax_in_chain,
                                                  cast_transpose_amax_in_chain_reference)
 from pallas_kernels.cast_transpose_current import (CastFromAmax, cast_transpose_from_amax,
@@ -84,7 +86,7 @@ __all__ = [
     "CastFromAmax", "CastTransposeBlockSizes", "ChainedCast", "SUPPORTED_HEAD_DIMS", "amax_max",
     "can_declare_varying_outputs", "cast_transpose_amax", "cast_transpose_amax_in_chain",
     "cast_transpose_amax_in_chain_reference", "cast_transpose_from_amax",
-    "cast_transpose_from_amax_reference", "tile_count",
+    "cast_transpose_from_amax_reference", "rows_in_use", "tile_count",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
     "ATTENTION_SCALE_BLOCK", "HopperAttentionBlockSizes", "hopper_attention",

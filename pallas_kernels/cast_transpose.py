@@ -64,8 +64,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
-                                                  check_products, check_x, scalar_f32)
+                                                  check_products, check_x, row_limit,
+                                                  scalar_f32)
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
                                                   tile_count, tile_mask, tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
@@ -88,13 +90,18 @@ class ScaleFromAmax:
 
 @dataclasses.dataclass(frozen=True)
 class CastSpec:
-  """The FP8 target of the cast, whether the transposed copy is written, and whether
-  the scale is made from a given amax (`from_amax`) instead of read."""
+  """The FP8 target of the cast, whether the transposed copy is written, whether
+  the scale is made from a given amax (`from_amax`) instead of read, the
+  elementwise function of x (and of the tensors it also reads) that is cast
+  (`prologue`, `pallas_kernels.activations`; None casts x), and whether an int32
+  operand limits the rows in use (`row_limit`: rows at and past it read as 0)."""
 
   dtype: jnp.dtype
   max: float
   transpose: bool
   from_amax: ScaleFromAmax | None = None
+  prologue: Prologue | None = None
+  row_limit: bool = False
 
 
 def _saturate(y, fp8_max: float):
@@ -138,16 +145,21 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
             interpret: bool):
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
-  Refs: x, [scale], [given, recorded], [descale], [partner x `partners`], [amax_in],
+  Refs: x, [prologue input x `cast.prologue.inputs`], [rows], [scale], [given, recorded],
+  [descale], [partner x `partners`], [amax_in],
   [accumulator], [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t],
   [descale_out], [product x `partners`], amax_out, [reduced], [seed x `seeds`],
   [passed out x `passed`]. amax_out is amax_in's buffer ("in_place"), the
   accumulator's ("accumulator"), one slot per program ("tiles") or its own
   ("given"). With `cast.from_amax` the scale ref holds the fallback scale, the
-  kernel makes the descale (descale_out) instead of reading it.
+  kernel makes the descale (descale_out) instead of reading it. With `cast.row_limit`
+  the rows ref holds how many leading rows are in use.
   """
   refs = list(refs)
   x_ref = refs.pop(0)
+  prologue = cast.prologue if cast is not None else None
+  other_refs = [refs.pop(0) for _ in range(prologue.inputs if prologue else 0)]
+  rows_ref = refs.pop(0) if cast is not None and cast.row_limit else None
   scale_ref = refs.pop(0) if cast is not None else None
   given_ref, recorded_ref = ((refs.pop(0), refs.pop(0)) if amax.accumulate == "given"
                               else (None, None))
@@ -208,12 +220,24 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
         plgpu.atomic_max(amax_ref, jnp.int32(0), amax_in_ref[0])
 
   mask = tile_mask(tiling)
-  if mask is None:
-    x = x_ref[...]
-  else:
+
+  def load(ref):
     # Out-of-range elements read as 0, the identity of the amax below.
-    x = plgpu.load(x_ref, mask=mask, other=0)
-  x = x.astype(jnp.float32)  # exact for bf16 / f16 inputs
+    tile = ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
+    return tile.astype(jnp.float32)  # exact for bf16 / f16 inputs
+
+  x = load(x_ref)
+  if prologue is not None:
+    # The tensor cast is the prologue's result, in float32 (never written in bf16);
+    # it maps zeros to 0, so a masked edge keeps the amax's identity.
+    x = prologue.fn(x, *map(load, other_refs))
+  if rows_ref is not None:
+    # Rows past the limit (a grouped GEMM's rows past its groups) read as 0: they enter
+    # no amax, and their FP8 rows are written as zeros (a NaN there would otherwise
+    # reach a GEMM that multiplies it by 0).
+    rows = (pl.program_id(0) * tiling.block_rows
+            + lax.broadcasted_iota(jnp.int32, (tiling.block_rows, 1), 0))
+    x = jnp.where(jnp.broadcast_to(rows < rows_ref[0], x.shape), x, 0.0)
 
   if amax.accumulate != "given":
     magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
@@ -301,8 +325,8 @@ def _reduce_tiles(tiles_ref, running):
 
 
 def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
-          passed=(), given=None, *, cast: CastSpec | None, amax: AmaxSpec,
-          block_sizes: CastTransposeBlockSizes, interpret: bool):
+          passed=(), given=None, others=(), valid_rows=None, *, cast: CastSpec | None,
+          amax: AmaxSpec, block_sizes: CastTransposeBlockSizes, interpret: bool):
   """Runs the kernel over all tiles of x.
 
   Returns (q, q_t, amax_out, products, reduced, seeds, passed, descale): q None
@@ -310,7 +334,8 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   (`amax.accumulate == "tiles"`) float32[tile_count], reduced None unless
   `amax.reduce`, seeds and passed (copies of `passed`, float32 vectors) tuples,
   descale the float32[] 1 / scale made from `given` = (amax, recorded amax)
-  (`cast.from_amax`), else None.
+  (`cast.from_amax`), else None. `valid_rows`: int32[], the rows in use
+  (`cast.row_limit`).
   """
   from_amax = cast.from_amax if cast is not None else None
   tiling = tiling_for(x.shape, block_sizes)
@@ -323,14 +348,18 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   # 0-d blocks: the GEMM reads each product as its scalar operand directly (a [1]
   # array would need a reshape XLA puts between converts, costing a kernel).
   rank0_spec = pl.BlockSpec((), lambda i, j: ())
-  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given)
+  check_summed(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given, others,
+               valid_rows)
   # Inside shard_map: a buffer written in place gives its type to the output, so it
   # carries that of max(amax_in, max|x|); every other output varies as what it is
-  # computed from.
-  amax_axes = varying_axes(x, amax_in, accumulator)
+  # computed from (the row limit decides what x is read as).
+  amax_axes = varying_axes(x, amax_in, accumulator, valid_rows)
   if amax.accumulate == "in_place" and amax_in is not None:
     amax_in = vary(amax_in, amax_axes)
-  operands, in_specs = [x], [tile_spec]
+  operands, in_specs = [x, *others], [tile_spec] * (1 + len(others))
+  if cast is not None and cast.row_limit:
+    operands.append(valid_rows.reshape(1))
+    in_specs.append(scalar_spec)
   if cast is not None:
     operands.append(scale.reshape(1))
     in_specs.append(scalar_spec)
@@ -363,7 +392,7 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   out_specs, out_shape = [], []
   if cast is not None:
     out_specs.append(tile_spec)
-    cast_axes = varying_axes(x, scale, given[:1] if given else None)
+    cast_axes = varying_axes(x, *others, scale, given[:1] if given else None, valid_rows)
     out_shape.append(out_struct((rows, cols), cast.dtype, cast_axes))
     if cast.transpose:
       out_specs.append(pl.BlockSpec(block[::-1], lambda i, j: (j, i)))
@@ -382,7 +411,7 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
     grid_cols = tiling.grid[1]
     out_specs.append(pl.BlockSpec((1,), lambda i, j: (i * grid_cols + j,)))
     out_shape.append(out_struct((tile_count(x.shape, block_sizes),), jnp.float32,
-                                varying_axes(x)))
+                                varying_axes(x, valid_rows)))
     aliases = {}
   elif amax.accumulate == "given":  # one program writes it: nothing to alias
     out_specs.append(scalar_spec)
@@ -428,11 +457,15 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
 
 @functools.partial(jax.jit, static_argnames=("cast", "amax", "block_sizes", "interpret"))
 def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
-           passed=(), given=None, *, cast, amax=AmaxSpec(), block_sizes, interpret):
+           passed=(), given=None, others=(), valid_rows=None, *, cast, amax=AmaxSpec(),
+           block_sizes, interpret):
   """One jitted launch of the kernel over all tiles of x (`_call`), for this module's
-  public functions and those of `cast_transpose_chain` and `cast_transpose_current`."""
+  public functions and those of `cast_transpose_chain` and `cast_transpose_current`.
+  `others`: the further tensors `cast.prologue` reads, each of x's shape; `valid_rows`:
+  the rows in use (`cast.row_limit`)."""
   return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given,
-               cast=cast, amax=amax, block_sizes=block_sizes, interpret=interpret)
+               others, valid_rows, cast=cast, amax=amax, block_sizes=block_sizes,
+               interpret=interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -443,7 +476,7 @@ def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, til
 def cast_transpose_amax(
     x: jax.Array, scale: jax.Array, amax_in: jax.Array, *, fp8_dtype, fp8_max: float,
     transpose: bool = True, descale: jax.Array | None = None,
-    partner_descales: jax.Array | None = None,
+    partner_descales: jax.Array | None = None, valid_rows: jax.Array | None = None,
     block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
@@ -466,6 +499,9 @@ def cast_transpose_amax(
       the kernel then also returns `min(descale * partner, float32 max)` per partner,
       the combined descales of the GEMMs this tensor enters (one scalar operand per
       GEMM, instead of a separate kernel that multiplies two scalars).
+    valid_rows: optional int32[]: only rows [0, valid_rows) are in use (a grouped
+      GEMM's rows within its groups); the others read as 0: they enter no amax and
+      their rows of q (columns of q_t) are 0, whatever x holds there (NaN included).
     block_sizes: tile sizes and launch knobs.
     interpret: run the Pallas interpreter (on CPU) instead of lowering for a GPU.
 
@@ -480,11 +516,13 @@ def cast_transpose_amax(
   check_flag(transpose, "transpose")
   check_flag(interpret, "interpret")
   check_block_sizes(block_sizes)
-  cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
+  valid_rows = row_limit(valid_rows)
+  cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
+                  row_limit=valid_rows is not None)
   descale, partner_descales = check_products(descale, partner_descales)
   q, q_t, amax_out, products, *_ = launch(x, scale, amax_in, descale, partner_descales,
-                                          cast=cast, block_sizes=block_sizes,
-                                          interpret=interpret)
+                                          valid_rows=valid_rows, cast=cast,
+                                          block_sizes=block_sizes, interpret=interpret)
   return (q, q_t, amax_out) if products is None else (q, q_t, amax_out, products)
 
 
@@ -513,6 +551,13 @@ def amax(
                 interpret=interpret)[2]
 
 
+def rows_in_use(x: jax.Array, valid_rows: jax.Array | None) -> jax.Array:
+  """x with its rows at and past `valid_rows` zeroed (what the kernel reads them as)."""
+  if valid_rows is None:
+    return x
+  return jnp.where(jnp.arange(x.shape[0])[:, None] < valid_rows, x, jnp.zeros((), x.dtype))
+
+
 def bits_max(*values):
   """The max of float32 amaxes (>= 0 or NaN; scalars or vectors) on their bit
   patterns, where NaN sorts above inf."""
@@ -524,7 +569,7 @@ def bits_max(*values):
 def cast_transpose_amax_reference(
     x: jax.Array, scale: jax.Array, amax_in: jax.Array, *, fp8_dtype, fp8_max: float,
     transpose: bool = True, descale: jax.Array | None = None,
-    partner_descales: jax.Array | None = None,
+    partner_descales: jax.Array | None = None, valid_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
   """`cast_transpose_amax` in plain jnp: the definition the kernel matches bit for bit.
 
@@ -536,6 +581,7 @@ def cast_transpose_amax_reference(
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   scale = scalar_f32(scale, "scale")
   amax_in = scalar_f32(amax_in, "amax_in")
+  x = rows_in_use(x, row_limit(valid_rows))
   q = jnp.clip(x.astype(jnp.float32) * scale, -fp8_max, fp8_max).astype(fp8_dtype)
   x_amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   # The NaN rule is spelled out: XLA on CPU (jax 0.10.2) drops NaN from some float32

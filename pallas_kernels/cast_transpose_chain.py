@@ -16,11 +16,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose import (AmaxSpec, CastSpec, bits_max,
-                                           cast_transpose_amax_reference, launch)
+                                           cast_transpose_amax_reference, launch, rows_in_use)
 from pallas_kernels.cast_transpose_checks import (check_accumulation, check_block_sizes,
                                                   check_flag, check_fp8, check_pass_through,
-                                                  check_products, check_reduce, check_x,
+                                                  check_products, check_prologue,
+                                                  check_reduce, check_x, row_limit,
                                                   scalar_f32)
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes, tile_maxima
 
@@ -52,7 +54,9 @@ def cast_transpose_amax_in_chain(
     transpose: bool = True, descale: jax.Array | None = None,
     partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
     tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
-    pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
+    pass_through: tuple = (), prologue: Prologue | None = None, prologue_inputs: tuple = (),
+    valid_rows: jax.Array | None = None,
+    block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
     interpret: bool = False,
 ) -> ChainedCast:
   """`cast_transpose_amax` as one launch of a chain that initialises no buffer.
@@ -87,11 +91,17 @@ def cast_transpose_amax_in_chain(
       max(running, max(tiles)).
     seeds: how many float32[] zeros to return (0 to 4).
     pass_through: float32 arrays of at most one dimension to return copies of.
+    prologue: cast `prologue.fn(x, *prologue_inputs)` (float32, elementwise) instead
+      of x, its amax included (`pallas_kernels.activations`): the function's result is
+      made in the kernel's registers and never written in x's dtype.
+    prologue_inputs: the further tensors the prologue reads, each of x's shape.
+    valid_rows: as for `cast_transpose_amax` (rows past it read as 0, after the prologue).
 
   Returns:
     A `ChainedCast`.
   """
   check_x(x)
+  prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   scale = scalar_f32(scale, "scale")
   check_flag(transpose, "transpose")
@@ -102,14 +112,16 @@ def cast_transpose_amax_in_chain(
   tiles = check_reduce(reduce)
   if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 <= seeds <= 4:
     raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
-  cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose)
+  valid_rows = row_limit(valid_rows)
+  cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
+                  prologue=prologue, row_limit=valid_rows is not None)
   descale, partner_descales = check_products(descale, partner_descales)
   passed = check_pass_through(pass_through)
   amax = AmaxSpec(accumulate=accumulate, reduce=tiles is not None, seeds=seeds,
                   passed=tuple(int(jnp.size(a)) for a in passed))
   out = launch(x, scale, amax_in, descale, partner_descales, accumulator, tiles,
-               tuple(jnp.ravel(a) for a in passed), cast=cast, amax=amax,
-               block_sizes=block_sizes, interpret=interpret)
+               tuple(jnp.ravel(a) for a in passed), None, prologue_inputs, valid_rows,
+               cast=cast, amax=amax, block_sizes=block_sizes, interpret=interpret)
   copies = tuple(c.reshape(jnp.shape(a)) for c, a in zip(out[6], passed))
   return ChainedCast(*out[:6], copies)
 
@@ -119,10 +131,16 @@ def cast_transpose_amax_in_chain_reference(
     transpose: bool = True, descale: jax.Array | None = None,
     partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
     tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
-    pass_through: tuple = (), block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
+    pass_through: tuple = (), prologue: Prologue | None = None, prologue_inputs: tuple = (),
+    valid_rows: jax.Array | None = None,
+    block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
 ) -> ChainedCast:
   """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
   check_x(x)
+  prologue_inputs = check_prologue(prologue, prologue_inputs, x)
+  if prologue is not None:
+    x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in prologue_inputs))
+  x = rows_in_use(x, row_limit(valid_rows))
   check_flag(tile_amaxes, "tile_amaxes")
   check_block_sizes(block_sizes)
   accumulate, amax_in, accumulator = check_accumulation(amax_in, accumulator, tile_amaxes)

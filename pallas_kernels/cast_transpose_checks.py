@@ -125,6 +125,17 @@ def scalar_f32(value, argname: str) -> jax.Array:
   return jnp.asarray(value)
 
 
+def row_limit(valid_rows) -> jax.Array | None:
+  """`valid_rows` (the rows in use) as an int32[] array, or None."""
+  if valid_rows is None:
+    return None
+  if jnp.shape(valid_rows) != () or not jnp.issubdtype(jnp.result_type(valid_rows), jnp.integer):
+    raise ValueError(
+        f"valid_rows must be one integer, the number of leading rows of x in use (int32[]); "
+        f"got shape {jnp.shape(valid_rows)} and dtype {jnp.result_type(valid_rows)}.")
+  return jnp.asarray(valid_rows, jnp.int32)
+
+
 def check_flag(value, argname: str) -> None:
   if not isinstance(value, bool):
     raise TypeError(f"{argname} must be True or False, got {value!r}.")
@@ -135,3 +146,19 @@ def check_block_sizes(block_sizes) -> None:
     raise TypeError(
         f"block_sizes must be a CastTransposeBlockSizes, got "
         f"{type(block_sizes).__name__}: {block_sizes!r}.")
+
+
+def check_prologue(prologue, prologue_inputs, x) -> tuple:
+  """The prologue's further tensors as a tuple, each of x's shape and an input dtype."""
+  from_inputs = tuple(prologue_inputs)
+  wanted = 0 if prologue is None else prologue.inputs
+  if len(from_inputs) != wanted:
+    raise ValueError(f"prologue_inputs has {len(from_inputs)} tensors but the prologue "
+                     f"{'(none)' if prologue is None else prologue.fn.__name__} reads {wanted} "
+                     "besides x.")
+  for i, t in enumerate(from_inputs):
+    if jnp.shape(t) != jnp.shape(x) or jnp.result_type(t) not in INPUT_DTYPES:
+      raise ValueError(f"prologue_inputs[{i}] has shape {jnp.shape(t)} and dtype "
+                       f"{jnp.result_type(t)}; it must have x's shape {jnp.shape(x)} and a "
+                       f"dtype of {[d.name for d in INPUT_DTYPES]}.")
+  return from_inputs

@@ -25,7 +25,8 @@ tile; on a block that a group boundary cuts, it zeroes the other groups' token c
 of its own rows of the a_t tile in shared memory (a bitwise AND: no FP8 arithmetic
 exists in registers) before its wgmma. b_t is shared and never masked: its tokens
 outside the group meet zeros, so b_t must hold finite values there (E4M3 NaN would
-spread, as NaN * 0 is NaN); quantized gradients are finite.
+spread, as NaN * 0 is NaN): fp8_ragged_dot's casts write the tokens past the groups as
+zeros and saturate the others.
 
 Mosaic GPU's CPU interpreter runs the same kernel (`interpret=`), with the tile products
 of `MosaicTarget` (see mosaic_target.py).

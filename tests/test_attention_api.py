@@ -339,8 +339,8 @@ def test_tuning_picks_the_fastest_forward_plus_backward_per_stage_count():
   backward = [entry(2.0, num_stages=2, block_q_dkv=128), entry(2.5, num_stages=3)]
   best = attention_tuning._best(forward, backward)
   # Stages 2: 0.9 + 2.0 = 2.9 < stages 3: 0.7 + 2.5 = 3.2.
-  assert best == dict(dataclasses.asdict(attention_tuning.DEFAULT), num_stages=2, ping_pong=False,
-                      block_q_dkv=128)
+  assert best == dict(dataclasses.asdict(attention_tuning.DEFAULT), num_stages=2,
+                      ping_pong=False, block_q_dkv=128)
 
 
 @pytest.mark.skipif(deviceless.deviceless_toolchain_missing() is not None,

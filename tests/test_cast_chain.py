@@ -119,6 +119,28 @@ def test_tile_maxima_are_each_tiles_own_in_program_order():
   np.testing.assert_array_equal(np.asarray(first.amax), np.arange(1, 22, dtype=np.float32))
 
 
+def test_a_row_limit_keeps_padding_rows_out_of_the_tile_maxima_and_the_fp8_copy():
+  """The grouped GEMM's casts (`valid_rows`): the tiles past the limit hold max 0, the
+  tile the limit cuts (rows 48..63, limit 50) the max of its rows in use; NaN and 1e6
+  in the padding reach neither the maxima nor the FP8 copy (its rows there are +0)."""
+  x = np.asarray(_tensor(_rng("limit"), (100, 72), 1.0), np.float32)
+  x[50:] = 1e6
+  x[60, 5] = np.nan
+  runs = [functools.partial(cast_transpose_amax_in_chain, interpret=True),
+          cast_transpose_amax_in_chain_reference]
+  got, want = (run(jnp.asarray(x, jnp.bfloat16), jnp.float32(1.0), None, fp8_dtype=E4M3,
+                   fp8_max=448.0, tile_amaxes=True, valid_rows=jnp.int32(50),
+                   block_sizes=BLOCKS) for run in runs)
+  _assert_bitwise(got, want)
+  tiles = np.asarray(got.amax).reshape(7, 3)  # 16 x 32 tiles, row-major
+  in_use = np.abs(x[:50])
+  for r in range(7):
+    for c in range(3):
+      tile = in_use[16 * r:16 * r + 16, 32 * c:32 * c + 32]
+      assert tiles[r, c] == (tile.max() if tile.size else 0.0), (r, c)
+  assert np.all(_bits(got.q)[50:] == 0) and np.all(_bits(got.q_t)[:, 50:] == 0)
+
+
 @pytest.mark.parametrize("where", ["tile", "running"])
 def test_a_nan_in_the_tiles_or_the_running_amax_makes_the_reduced_amax_nan(where):
   rng = _rng("nan", where)

@@ -80,14 +80,16 @@ def _assert_f32_bitwise_equal(actual, expected, what: str):
     assert actual.view(np.uint32) == expected.view(np.uint32), (what, actual, expected)
 
 
-def _run_both(x, scale, amax_in, fp8: str, transpose=True, **kernel_options):
+def _run_both(x, scale, amax_in, fp8: str, transpose=True, valid_rows=None,
+              **kernel_options):
   fp8_dtype, fp8_max = FORMATS[fp8]
   got = cast_transpose_amax(jnp.asarray(x), jnp.float32(scale), jnp.float32(amax_in),
                             fp8_dtype=fp8_dtype, fp8_max=fp8_max, transpose=transpose,
-                            interpret=True, **kernel_options)
+                            valid_rows=valid_rows, interpret=True, **kernel_options)
   want = cast_transpose_amax_reference(jnp.asarray(x), jnp.float32(scale),
                                        jnp.float32(amax_in), fp8_dtype=fp8_dtype,
-                                       fp8_max=fp8_max, transpose=transpose)
+                                       fp8_max=fp8_max, transpose=transpose,
+                                       valid_rows=valid_rows)
   return got, want
 
 
@@ -174,6 +176,29 @@ def test_nan_amax_in_stays_nan():
   got, want = _run_both(x, 1.0, np.nan, "e4m3")
   _assert_matches(got, want)
   assert np.isnan(np.float32(got[2]))
+
+
+@pytest.mark.parametrize("valid_rows", [70, 64, 0, 100])
+def test_rows_past_valid_rows_read_as_zero_whatever_they_hold(valid_rows):
+  """A grouped GEMM's padding rows: huge, inf and NaN there enter no amax and cast to
+  +0, in the kernel (16-row tiles: the limit falls inside tile 4 at 70, on a tile edge
+  at 64) as in its definition, and the rows in use cast as they would alone."""
+  x = _random_x(_rng("valid_rows", valid_rows), (100, 72), jnp.bfloat16, "e4m3", scale=1.0)
+  clean = x[:valid_rows].copy()
+  x[valid_rows:] = 1e6
+  if valid_rows < 100:
+    x[valid_rows, 3], x[-1, -1] = np.nan, -np.inf
+  blocks = CastTransposeBlockSizes(block_rows=16, block_cols=32, num_warps=4)
+  got, want = _run_both(x, 1.0, 0.0, "e4m3", block_sizes=blocks,
+                        valid_rows=jnp.int32(valid_rows))
+  _assert_matches(got, want)
+  q = np.asarray(got[0])
+  assert np.all(q[valid_rows:].view(np.uint8) == 0)  # +0 bits
+  if valid_rows:
+    alone, _ = _run_both(clean, 1.0, 0.0, "e4m3", block_sizes=blocks)
+    _assert_fp8_bitwise_equal(q[:valid_rows], alone[0], "rows in use")
+  _assert_f32_bitwise_equal(got[2], np.max(np.abs(clean.astype(np.float32)), initial=0.0),
+                            "amax of the rows in use")
 
 
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
@@ -312,6 +337,8 @@ _S = jnp.float32(1.0)
     (dict(fp8_max=240.0), ValueError, r"fp8_max=240.0 does not match .*float8_e4m3fn.*pass fp8_max=448.0"),
     (dict(transpose="yes"), TypeError, r"transpose must be True or False, got 'yes'"),
     (dict(block_sizes=(128, 128)), TypeError, r"block_sizes must be a CastTransposeBlockSizes"),
+    (dict(valid_rows=jnp.ones(2, jnp.int32)), ValueError, r"valid_rows must be one integer.*\(2,\)"),
+    (dict(valid_rows=jnp.float32(3)), ValueError, r"valid_rows must be one integer.*float32"),
 ])
 def test_bad_inputs_raise_errors_that_name_the_argument(kwargs, error, message):
   args = dict(x=_X, scale=_S, amax_in=jnp.float32(0.0), fp8_dtype=E4M3, fp8_max=448.0)

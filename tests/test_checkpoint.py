@@ -19,6 +19,7 @@ import pytest
 
 import fp8jax
 import fp8jax.checkpoint as ckpt
+from fp8jax.step.all_reduce import replicated
 
 RECIPE = fp8jax.DelayedScaling(amax_history_len=4)
 TX = optax.adamw(1e-2, weight_decay=0.1)
@@ -261,7 +262,7 @@ def test_restore_places_arrays_on_the_target_shardings(tmp_path, keep_saved_reci
   # keep_saved_recipes=True builds the FP8 targets from the saved shapes (here a
   # longer target history than saved); the shardings must still be the target's.
   recipe = fp8jax.DelayedScaling(amax_history_len=8) if keep_saved_recipes else RECIPE
-  target = fp8jax.sharding.replicated(
+  target = replicated(
       {"l1": fp8jax.init_dot_meta(recipe), "l2": fp8jax.init_dot_meta(recipe)}, mesh)
   restored = ckpt.restore(path, params=jax.device_put(params, on_mesh), opt_state=opt_state,
                           fp8_state=target, keep_saved_recipes=keep_saved_recipes)

@@ -46,6 +46,64 @@ def test_cost_and_inspect_errors_are_one_fp8jax_line_with_trains_exit_status(
   assert "Traceback" not in err
 
 
+
+@pytest.fixture
+def nothing_compiles(monkeypatch):
+  """`cost --gpt` with every compile of the demo GPT's step failing the test."""
+  from fp8jax.runs import gpt_program
+
+  def compiled(*args, **kwargs):
+    raise AssertionError("the bad option was refused only after a compile")
+
+  monkeypatch.setattr(gpt_program, "measure", compiled)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch 0 must be a positive integer"),
+    (["--seq", "0"], "--seq 0 must be a positive integer"),
+    (["--top-k", "3"], "--top-k 3 routes tokens among experts, and this GPT's MLP is dense; "
+                       "add --experts N"),
+    (["--fit", "0GiB"], "--fit 0GiB: the tiny GPT's parameters, optimizer state and FP8 "
+                        "state alone take 4.8 MiB (delayed, adamw_fp8, fp8 saved) and 9.4 MiB "
+                        "(bf16, adamw); give more than 4.8 MiB"),
+    (["--fit", "4MiB"], "--fit 4MiB: the tiny GPT's parameters"),
+], ids=["batch 0", "seq 0", "top-k without experts", "fit 0GiB", "fit under the state"])
+def test_cost_gpt_refuses_what_train_refuses_in_one_line_before_compiling(
+    argv, message, nothing_compiles, tmp_path, capsys):
+  train_status = _train_error_status(tmp_path, capsys)
+  status = main(["cost", "--gpt", "tiny", *argv])
+  err = capsys.readouterr().err
+  assert status == train_status, err
+  assert err.startswith("fp8jax: ") and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_cost_gpt_fit_shows_each_compile_and_skips_a_step_whose_state_cannot_fit(
+    monkeypatch, capsys):
+  from fp8jax.cli import cost_gpt
+  from fp8jax.lowering.memory import MemoryReport
+  from fp8jax.runs import gpt_program
+
+  mib = 2**20
+  fp8 = gpt_program.GptProgram(size="tiny", batch=8, seq=64, optimizer="adamw_fp8")
+  bf16 = gpt_program.GptProgram(size="tiny", batch=8, seq=64, recipe="bf16")
+  capacity = 8 * mib  # the FP8 step's state (4.8 MiB) fits, the bf16 step's (9.4 MiB) not
+  compiles = []
+
+  def measure(program, target):  # a line of 4.8 MiB + 0.1 MiB per sequence, not a compile
+    compiles.append((program.label, program.batch))
+    total = int(4.8 * mib + 0.1 * mib * program.batch)
+    return None, MemoryReport(program.label, "H100", arguments=total, outputs=0, aliased=0,
+                              temp=0), None
+
+  monkeypatch.setattr(gpt_program, "measure", measure)
+  fits = cost_gpt.largest_batches((fp8, bf16), capacity, "deviceless")
+  assert fits[bf16.label] == (0, None) and fits[fp8.label][0] == 32  # (8 - 4.8) / 0.1
+  assert compiles and {label for label, _ in compiles} == {fp8.label}
+  err = capsys.readouterr().err
+  # tqdm's bar (on stderr): the count of compiles and the last one's verdict.
+  assert f"{len(compiles)}compile" in err.replace(" ", ""), err
+  assert f"{fp8.label}: batch {compiles[-1][1]}" in err, err
+
 def test_the_installed_command_exits_with_the_error_status_not_an_exception(tmp_path, capsys):
   # Through the process boundary: `sys.exit(main())` must turn the error into the status.
   train_status = _train_error_status(tmp_path, capsys)

@@ -31,12 +31,14 @@ needs_toolchain = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""
 # Round numbers so that the expected times below are easy to check by hand.
 CONSTANTS = CostConstants(fp8_gemm_flops_per_s=2e15, bf16_gemm_flops_per_s=1e15,
                           f32_gemm_flops_per_s=5e14, hbm_bytes_per_s=2e12,
-                          kernel_overhead_s=3e-6)
+                          kernel_overhead_s=3e-6, loop_kernel_overhead_s=5e-6)
 
 
-def roofline(flops, nbytes, rate, c=CONSTANTS):
-  """The model's formula, written out: max(compute, memory) + launch overhead."""
-  return max(flops / rate, nbytes / c.hbm_bytes_per_s) + c.kernel_overhead_s
+def roofline(flops, nbytes, rate, c=CONSTANTS, in_loop=False):
+  """The model's formula, written out: max(compute, memory) + launch overhead (dearer for
+  a kernel inside a while loop)."""
+  overhead = c.loop_kernel_overhead_s if in_loop else c.kernel_overhead_s
+  return max(flops / rate, nbytes / c.hbm_bytes_per_s) + overhead
 
 
 def _gemm_config(lhs_contracting, rhs_contracting):
@@ -182,6 +184,27 @@ def test_a_multi_output_fusion_writes_only_the_update_of_its_in_place_output():
   assert k.bytes_out == 2 * SLICE_BYTES  # the update in place, and the second output
 
 
+def test_a_fusion_whose_result_is_an_elementwise_op_of_a_parameter_reads_all_of_it():
+  # A weight's bf16 copy (XLA's `wrapped_convert`): every element of the result is
+  # computed, so every element of the f32 parameter is read.
+  hlo = textwrap.dedent("""\
+      HloModule m
+
+      %wrapped_convert_computation (p0: f32[1024,128]) -> bf16[1024,128] {
+        %p0 = f32[1024,128]{1,0} parameter(0)
+        ROOT %convert.1 = bf16[1024,128]{1,0} convert(%p0)
+      }
+
+      ENTRY %main (w: f32[1024,128]) -> bf16[1024,128] {
+        %w = f32[1024,128]{1,0} parameter(0)
+        ROOT %wrapped_convert = bf16[1024,128]{1,0} fusion(%w), kind=kLoop, calls=%wrapped_convert_computation
+      }
+      """)
+  (k,) = cost_hlo(hlo, CONSTANTS).kernels
+  assert k.bytes_in == 1024 * 128 * 4
+  assert k.bytes_out == 1024 * 128 * 2
+
+
 # ----- loops ---------------------------------------------------------------------------
 
 _LOOP_HLO = textwrap.dedent("""\
@@ -242,8 +265,15 @@ def test_a_while_body_counts_its_known_trip_count_and_its_condition_never_runs()
   gemm = kernels_by_name(report)["cublas-gemm.1"]
   assert gemm.flops == 2 * 256**3
   assert report.flops == 5 * 2 * 256**3
-  one_gemm = roofline(2 * 256**3, 3 * 256 * 256 * 2, CONSTANTS.bf16_gemm_flops_per_s)
+  one_gemm = roofline(2 * 256**3, 3 * 256 * 256 * 2, CONSTANTS.bf16_gemm_flops_per_s,
+                      in_loop=True)
   assert gemm.time_s == pytest.approx(5 * one_gemm, rel=1e-12)
+  # Inside the loop each launch costs the loop's overhead, outside it the top level's.
+  in_loop = {k.name: k.in_loop for k in report.kernels}
+  assert in_loop == {"copy.1": False, "loop_add_fusion": True, "loop_sine_fusion": True,
+                     "cublas-gemm.1": True}
+  copy = kernels_by_name(report)["copy.1"]
+  assert copy.time_s == pytest.approx(roofline(0, 8, 1.0), rel=1e-12)
   assert report.bytes == sum((k.bytes_in + k.bytes_out) * k.launches for k in report.kernels)
 
 
@@ -307,6 +337,43 @@ def test_compare_speedup_is_baseline_time_over_program_time():
   assert loaded["predicted_speedup"] == pytest.approx(comparison.speedup)
   assert [k["name"] for k in loaded["program"]["kernels"]] == [k.name for k in program.kernels]
   assert loaded["baseline"]["constants"]["hbm_bytes_per_s"] == 1e12
+
+
+def test_the_comparison_and_memory_tables_print_long_labels_whole_in_aligned_columns():
+  from fp8jax.cli.cost_gpt import memory_table
+  from fp8jax.lowering.memory import MemoryReport
+
+  label = "delayed, adamw_fp8, fp8 saved, 8 experts (top 2)"  # 49 characters
+  comparison = str(compare(cost_hlo(_PROGRAM_HLO, CONSTANTS, label=label),
+                           cost_hlo(_PROGRAM_HLO, CONSTANTS, label="bf16, adamw")))
+  memory = memory_table(*(MemoryReport(name, "H100", arguments=2**30, outputs=0, aliased=0,
+                                       temp=2**30) for name in (label, "bf16, adamw")))
+  for table, first_column in ((comparison, "kernels"), (memory, "arguments")):
+    header, _, *rows = table.splitlines()
+    # Each row's first number ends under its column's (right-aligned) header.
+    end = header.index(first_column) + len(first_column)
+    for name in (label, "bf16, adamw"):
+      row = next(line for line in rows if line.startswith(name + " "))
+      assert row[end - 1] != " " and row[end] == " ", table
+
+
+def test_chip_h200_predicts_with_the_h200_constants_and_its_memory():
+  from fp8jax.cli.cost import _parse_constants
+  from fp8jax.cli.cost_gpt import memory_table
+  from fp8jax.lowering.cost import H200
+  from fp8jax.lowering.memory import MemoryReport
+
+  assert _parse_constants([], "h200") == H200
+  assert _parse_constants([], "h100") == CostConstants()
+  # --constant overrides the chip's value, and only it.
+  assert _parse_constants(["kernel_overhead_s=2e-6"], "h200") == dataclasses.replace(
+      H200, kernel_overhead_s=2e-6)
+  # 100 GiB does not fit an H100's 80 GiB and is 71% of an H200's 141.
+  reports = [MemoryReport(name, "H100", arguments=50 * 2**30, outputs=0, aliased=0,
+                          temp=50 * 2**30) for name in ("fp8", "bf16")]
+  assert "of 80 GiB" in memory_table(*reports) and "does not fit" in memory_table(*reports)
+  h200 = memory_table(*reports, "h200")
+  assert "of 141 GiB" in h200 and "71%" in h200 and "does not fit" not in h200
 
 
 # ----- bad inputs ----------------------------------------------------------------------

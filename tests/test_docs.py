@@ -195,9 +195,16 @@ def _public_names(module_name: str) -> list[str]:
           and getattr(obj, "__module__", None) == module_name]
 
 
+def _reference_name(module_name: str, name: str) -> str:
+  """Where the reference documents `module_name.name`: there, or a submodule (the
+  package's `fp8jax.attention_backend` is `fp8jax.ops.attention_backend`) on its page."""
+  import importlib
+  obj = getattr(importlib.import_module(module_name), name)
+  return obj.__name__ if isinstance(obj, types.ModuleType) else f"{module_name}.{name}"
+
+
 DOCUMENTED_MODULES = ["fp8jax", "fp8jax.flax", "fp8jax.flax.linen", "fp8jax.flax.nnx",
-                      "fp8jax.checkpoint", "fp8jax.sharding", "fp8jax.lowering",
-                      "fp8jax.deviceless", "fp8jax.attention_backend", "fp8jax.fused_kernels",
+                      "fp8jax.checkpoint", "fp8jax.lowering", "fp8jax.deviceless",
                       "fp8jax.telemetry", "fp8jax.optim", "fp8jax.flax.linen_moe",
                       "fp8jax.flax.nnx_moe", "fp8jax.ops.moe_routing",
                       "fp8jax.ops.expert_parallel", "fp8jax.models.gpt", "fp8jax.models.gpt_moe",
@@ -210,7 +217,7 @@ def test_docs_api_reference_names_every_public_name(built_site):
   assert result.returncode == 0, result.stderr[-5000:]
   documented = _documented_objects(out)
   missing = {module: [name for name in _public_names(module)
-                      if f"{module}.{name}" not in documented]
+                      if _reference_name(module, name) not in documented]
              for module in DOCUMENTED_MODULES}
   missing = {module: names for module, names in missing.items() if names}
   assert not missing, f"public names missing from the API reference: {missing}"
@@ -222,3 +229,48 @@ def test_docs_cli_reference_shows_every_command(built_site):
   page = (out / "cli.html").read_text()
   for command in SUBCOMMANDS:
     assert f"usage: fp8jax {command}" in page, command
+
+
+def _text(html: str) -> str:
+  import html as html_lib
+  return html_lib.unescape(re.sub(r"<[^>]+>", "", html))
+
+
+def _api_names(kind: str) -> list[tuple[pathlib.Path, str]]:
+  """(page, name) of every name an `{api}` block lists whose entry is of `kind`."""
+  sys.path.insert(0, str(DOCS / "_ext"))
+  try:
+    from api_reference import directive_for, resolve
+  finally:
+    sys.path.pop(0)
+  return [(page, name) for page in PAGES for block in blocks(page) if block.language == "{api}"
+          for name in block.code.split() if directive_for(resolve(name)) == kind]
+
+
+def test_docs_api_reference_summarizes_and_describes_every_constant(built_site):
+  # A constant's docstring is its type's; its `#:` comment where it is assigned is its own.
+  _, out = built_site
+  constants = _api_names("data")
+  assert {"fp8jax.E4M3", "fp8jax.E5M2"} <= {name for _, name in constants}
+  for page, name in constants:
+    html = (out / page.relative_to(DOCS).with_suffix(".html")).read_text()
+    row = re.search(rf'<tr[^>]*><td><p><a [^>]*title="{re.escape(name)}".*?</tr>', html, re.S)
+    summary = _text(row.group(0)).strip().split("\n")[-1] if row else ""
+    assert row and summary and summary != name.rsplit(".", 1)[1], (page.name, name)
+    entry = re.search(rf'id="{re.escape(name)}".*?</dt>\s*<dd>(.*?)</dd>', html, re.S)
+    assert entry and _text(entry.group(1)).strip(), (page.name, name)
+
+
+def test_docs_api_reference_reads_tuples_returned_as_descriptions_not_types(built_site):
+  # "Returns: (y, new_meta): y ..." is prose: before the fix its "(y, new_meta)" was shown
+  # as the return type, and the text after its first colon as the description.
+  _, out = built_site
+  for page in sorted((out / "api").glob("*.html")):
+    fields = re.findall(r'>Return type<span class="colon">:</span></dt>\s*<dd[^>]*>(.*?)</dd>',
+                        page.read_text(), re.S)
+    assert not [f for f in fields if _text(f).strip().startswith("(")], page.name
+  html = (out / "api" / "fp8jax.html").read_text()
+  attention = html[html.index('id="fp8jax.fp8_attention"'):]
+  attention = attention[:attention.index("</dl>\n</dd>")]
+  assert _text(attention).count("bottom-right") == 1  # causal's, not every parameter's
+  assert "(out, new_meta): out [batch, q_len, heads, head_dim]" in _text(attention)

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 import examples.train_mlp as train_mlp
-from benchmarks import dense, gpu_check
+from benchmarks import dense, gpu_check, trace_categories
 
-# The GPU check's smoke run in four parts, each a test of its own (of about 12, 17, 18
-# and 8 s) so the suite's workers share them; together they are every section.
+# The GPU check's smoke run in four parts, each a test of its own (of about 12, 25, 12
+# and 5 s) so the suite's workers share them; together they are every section.
 SMOKE_PARTS = {"kernels": ("tests", "dense", "grouped_gemm", "attention"),
                "attention_tools": ("attention_accuracy", "attention_tuning"),
                "gpt": ("gpt", "demo"), "moe_gpt": ("moe_gpt",)}
@@ -110,18 +110,49 @@ def test_gpu_check_smoke_runs_its_sections_and_writes_their_json(part, tmp_path)
     assert tuning["best"]["bf16"]["none"]["64"] == result["best"]
     assert json.loads((tmp_path / "attention_tuned.json").read_text()) == {}
   if "gpt" in sections:
+    # The dense rows (a one-block tiny model): bf16, delayed and current scaling, each
+    # timed, profiled and predicted.
     gpt = json.loads((tmp_path / "gpt.json").read_text())["results"]
-    assert all(row["tokens_per_s"] > 0 for row in gpt["rows"])
+    assert [row["variant"] for row in gpt["rows"]] == ["bf16", "delayed", "current"]
+    assert [entry["status"] for entry in gpt["plan"]] == ["ran"] * 3
+    for row in gpt["rows"]:
+      _check_profiled_row(row)
+    highlight = summary["highlights"]["gpt"]["tiny, 1 layer"]
+    assert set(highlight["fp8_speedup_vs_bf16"]) == {"delayed", "current"}
+    assert all(step["predicted"] > 0 for step in highlight["step_ms"].values())
   if "demo" in sections:
     demo = json.loads((tmp_path / "demo_compare.json").read_text())
     assert demo["exit_code"] == 0
     assert [run["recipe"] for run in demo["runs"]] == ["bf16", "delayed"]
   if "moe_gpt" in sections:
-    # The MoE GPT's rows, bf16 and FP8, each with its speed and its step's memory.
+    # The MoE GPT's rows, bf16 and FP8 with the memory features, profiled like the others.
     moe = json.loads((tmp_path / "moe_gpt.json").read_text())["results"]
-    assert moe["experts"] == 4 and [row["recipe"] for row in moe["rows"]] == ["bf16", "delayed"]
-    assert all(row["tokens_per_s"] > 0 and row["memory"]["total"] > 0 for row in moe["rows"])
-    assert set(summary["highlights"]["moe_gpt"]["memory_gib"]) == {"bf16/xla", "delayed/xla"}
+    assert [(row["experts"], row["variant"]) for row in moe["rows"]] == [
+        (4, "bf16"), (4, "delayed, adamw_fp8, fp8 saved")]
+    for row in moe["rows"]:
+      _check_profiled_row(row)
+    highlight = summary["highlights"]["moe_gpt"]["tiny, 4 experts top-2, 1 layer"]
+    assert set(highlight["memory_gib"]) == {"bf16", "delayed, adamw_fp8, fp8 saved"}
+
+
+def _check_profiled_row(row):
+  """A GPT row of the check: timed, its memory, its trace by category, its prediction."""
+  assert row["tokens_per_s"] > 0 and row["memory"]["total"] > 0, row["label"]
+  assert set(row["seconds"]) == {"build_and_init", "compile", "timed_steps", "trace",
+                                 "analysis", "total"}
+  categories = row["categories"]
+  # On a CPU the kernels are XLA:CPU's thunks, each naming its HLO instruction.
+  assert categories["source"] == "cpu" and categories["kernels"] > 0
+  assert categories["resolved"].get("hlo_op", 0) > 0
+  assert set(categories["by_category"]) <= set(trace_categories.CATEGORIES)
+  assert sum(c["seconds"] for c in categories["by_category"].values()) == pytest.approx(
+      categories["kernel_s"])
+  # The cost model's view of the same executable: one kernel list behind the predicted
+  # categories, the kernel classes and the predicted time.
+  launches = row["predicted"]["kernel_launches"]
+  assert sum(c["kernels"] for c in categories["predicted"].values()) == launches
+  assert sum(c["launches"] for c in row["kernel_classes"]) == launches
+  assert row["predicted"]["step_s"] > 0 and row["predicted"]["measured_over_predicted"] > 0
 
 
 def test_gpu_check_times_the_fp8_grouped_kernels_only_after_their_gpu_tests_passed():

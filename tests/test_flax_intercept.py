@@ -5,6 +5,7 @@ references are the same model without FP8 (parameters, outputs), fp8jax's pure
 functions applied by hand (exact outputs and state), and max|kernel| / max|x|
 computed with numpy (the recorded amaxes).
 """
+import json
 import math
 import warnings
 
@@ -19,6 +20,7 @@ import fp8jax
 from fp8jax.deviceless import deviceless_toolchain_missing
 from fp8jax.flax.intercept import Fp8Model, fp8_dense_layers
 from fp8jax.flax.layer_filter import BREAK_EVEN_SIZE
+from fp8jax.lowering.break_even import layer_times
 
 RECIPE = fp8jax.DelayedScaling(amax_history_len=4)
 FEATURES, HEADS, HEAD_DIM, HIDDEN = 64, 4, 16, 128
@@ -231,17 +233,52 @@ def test_a_checkpoint_trained_without_fp8_loads_into_the_fp8_model():
   assert _rel_error(y, Net().apply({"params": params}, x)) < 2**-3
 
 
+class TwoLayers(nn.Module):
+  """K = N = BREAK_EVEN_SIZE, converted by the default filter; then K = n, N = n - 16, not."""
+
+  @nn.compact
+  def __call__(self, x):
+    n, dtype = BREAK_EVEN_SIZE, jnp.bfloat16  # dtype: bf16 GEMMs where not FP8
+    return nn.Dense(n - 16, dtype=dtype, name="small")(nn.Dense(n, dtype=dtype, name="big")(x))
+
+
 def test_default_filter_converts_a_layer_at_the_break_even_size_and_not_a_smaller_one():
-  n = BREAK_EVEN_SIZE
-
-  class TwoLayers(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      # K = N = n: harmonic mean n. Then K = n, N = n - 16: harmonic mean just below n.
-      return nn.Dense(n - 16, name="small")(nn.Dense(n, name="big")(x))
-
-  variables = Fp8Model(TwoLayers()).init(jax.random.key(1), _normal((1, n), 0))
+  x = _normal((1, BREAK_EVEN_SIZE), 0)
+  variables = Fp8Model(TwoLayers()).init(jax.random.key(1), x)
   assert _meta_paths(variables["fp8_meta"]) == {("big",)}
+
+
+def test_the_report_names_each_layers_fp8_gemms_and_the_predicted_times_that_chose_them():
+  n = BREAK_EVEN_SIZE
+  report = Fp8Model(TwoLayers()).report(jax.random.key(1), _normal((1, n), 0))
+  big, small = report.rows
+  assert (big.path, big.fp8_gemms, big.recipe) == (("big",), ("fprop", "dgrad", "wgrad"),
+                                                   "DelayedScaling")
+  assert (small.path, small.fp8_gemms, small.recipe) == (("small",), (), None)
+  # The times are the cost model's at 4096 tokens, whatever batch init saw (1 row here).
+  assert big.predicted == layer_times(4096, n, n)
+  assert small.predicted == layer_times(4096, n, n - 16)
+  assert big.predicted.fp8_pays and not small.predicted.fp8_pays
+  assert big.reason.startswith(f"default_layer_filter: chosen (K={n}, N={n}: ")
+  assert small.reason.startswith(f"default_layer_filter: not chosen (K={n}, N={n - 16}: ")
+  assert small.reason.endswith("its casts cost more than its GEMMs save)")
+  lines = str(report).splitlines()
+  assert lines[0].split()[6:9] == ["FP8", "GEMMs", "in"]
+  assert lines[1].split()[6:9] == ["DelayedScaling", "all", "3"]
+  assert lines[2].split()[6:8] == ["-", "-"]
+  row = json.loads(report.to_json())["dots"][0]
+  assert row["fp8_gemms"] == ["fprop", "dgrad", "wgrad"]
+  assert row["predicted"]["fp8_s"] == pytest.approx(big.predicted.fp8_s)
+
+
+def test_a_rule_with_high_precision_gemms_is_reported_with_the_others_in_fp8():
+  recipe = fp8jax.DelayedScaling(high_precision=("wgrad",))
+  rules = (fp8jax.flax.Fp8Rule(path="big", recipe=recipe),)
+  report = Fp8Model(TwoLayers(), rules=rules).report(jax.random.key(1),
+                                                     _normal((1, BREAK_EVEN_SIZE), 0))
+  assert report.rows[0].fp8_gemms == ("fprop", "dgrad")
+  assert report.rows[0].predicted is None  # a rule decided, not the cost model
+  assert str(report).splitlines()[1].split()[7] == "fprop+dgrad"
 
 
 def test_a_chosen_layer_that_cannot_run_in_fp8_stays_in_high_precision_with_a_warning():
@@ -314,12 +351,8 @@ def test_fp8_model_rejects_a_filter_that_is_not_a_function_or_returns_no_bool():
 _MISSING = deviceless_toolchain_missing()
 
 
-@pytest.mark.hopper
-@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
-def test_on_h100_the_chosen_layers_gemms_are_fp8_and_the_others_are_not():
-  x = jax.ShapeDtypeStruct(X_SHAPE, jnp.bfloat16)
-  target = jax.ShapeDtypeStruct(X_SHAPE[:2] + (16,), jnp.bfloat16)
-  fp8_model = Fp8Model(Net(), layer_filter=NOT_HEAD)
+def _h100_gemms(fp8_model, x, target):
+  """The lowering report of an FP8 train step of `fp8_model`, compiled for an H100."""
   variables = jax.eval_shape(fp8_model.init, jax.random.key(1), x)
 
   def step(params, fp8_state, x, target):
@@ -329,10 +362,35 @@ def test_on_h100_the_chosen_layers_gemms_are_fp8_and_the_others_are_not():
       return jnp.mean((out.astype(jnp.float32) - target) ** 2), updates["fp8_meta"]
     return fp8jax.value_and_grad(loss_fn)(params, fp8_state)
 
-  report = fp8jax.lowering.inspect(step, variables["params"], variables["fp8_meta"], x, target,
-                                   target="deviceless", ptx=False,
-                                   compiler_options=fp8jax.lowering.CUBLAS_ONLY_OPTIONS)
+  return fp8jax.lowering.inspect(step, variables["params"], variables["fp8_meta"], x, target,
+                                 target="deviceless", ptx=False,
+                                 compiler_options=fp8jax.lowering.CUBLAS_ONLY_OPTIONS)
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_on_h100_the_chosen_layers_gemms_are_fp8_and_the_others_are_not():
+  x = jax.ShapeDtypeStruct(X_SHAPE, jnp.bfloat16)
+  target = jax.ShapeDtypeStruct(X_SHAPE[:2] + (16,), jnp.bfloat16)
+  report = _h100_gemms(Fp8Model(Net(), layer_filter=NOT_HEAD), x, target)
   # 6 chosen layers x (fprop, dgrad, wgrad), less the dgrads of query, key and value
   # (x is not differentiated). The head and the attention's two einsums stay high precision.
   assert report.num_fp8 == 6 * 3 - 3, str(report)
   assert len(report.not_fp8()) >= 3, str(report)
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_on_h100_the_default_filter_runs_the_chosen_layers_gemms_in_fp8_and_the_others_in_bf16():
+  n = BREAK_EVEN_SIZE
+  x = jax.ShapeDtypeStruct((16, n), jnp.bfloat16)
+  target = jax.ShapeDtypeStruct((16, n - 16), jnp.bfloat16)
+  report = _h100_gemms(Fp8Model(TwoLayers()), x, target)
+  # "big" (K = N = n): its fprop and wgrad as cuBLASLt FP8 GEMMs (x is not differentiated,
+  # so it has no dgrad). "small" (N = n - 16): its three GEMMs in bf16.
+  fp8 = sorted(g.role for g in report.gemms if g.runs_in_fp8)
+  assert fp8 == ["fprop", "wgrad"], str(report)
+  assert all(g.kind == fp8jax.lowering.GemmKind.CUBLASLT_FP8 for g in report.gemms
+             if g.runs_in_fp8), str(report)
+  bf16 = report.not_fp8()
+  assert len(bf16) == 3 and all(g.operand_dtypes == ("bf16", "bf16") for g in bf16), str(report)

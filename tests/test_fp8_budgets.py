@@ -23,10 +23,12 @@ measured on an H100: see that class). The budgets are those of the lean FP8 path
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp8jax
@@ -34,6 +36,7 @@ from fp8jax import deviceless
 from fp8jax.flax.linen import FP8_COLLECTION
 from fp8jax.lowering.cost import cost, cost_hlo
 from fp8jax.models import gpt
+from fp8jax.ops import fused_kernels
 
 _MISSING = deviceless.deviceless_toolchain_missing()
 pytestmark = [pytest.mark.hopper, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
@@ -166,6 +169,50 @@ def test_a_donated_fp8_state_is_updated_where_it_was_without_a_copy(recipe):
       assert "copy" not in launches[(1,)], (layers, launches)
 
 
+def _stacked_step(layers, stacked_context):
+  """A train step of `layers` dense layers whose FP8 state is one meta stacked over the
+  layers (as `nn.scan` keeps it), each layer reading its slice; traced inside
+  `fused_kernels.stacked_state()` or not."""
+  width, tokens = 1024, 2048
+
+  def loss(params, stacked, x):
+    records = []
+    with fused_kernels.stacked_state() if stacked_context else contextlib.nullcontext():
+      for i in range(layers):
+        meta = jax.tree.map(lambda a: a[i], stacked)
+        x, meta = fp8jax.fp8_dense(x, params[i], None, meta)
+        records.append(meta)
+    return jnp.mean(x.astype(jnp.float32) ** 2), jax.tree.map(lambda *a: jnp.stack(a),
+                                                                *records)
+
+  state = jax.eval_shape(lambda: jax.tree.map(lambda *a: jnp.stack(a),
+                                              *[fp8jax.init_dot_meta(DELAYED)] * layers))
+  params = [spec((width, width), jnp.bfloat16)] * layers
+  return fp8jax.value_and_grad(loss), (params, state, spec((tokens, width), jnp.bfloat16))
+
+
+def test_state_sliced_from_a_stack_is_not_copied_through_the_casts():
+  """Inside `stacked_state()` the casts copy no state through for the update (it reads the
+  stack): per layer, the slices the copies read and their stacking go (12 non-GEMM
+  launches per layer without, 9 within; 63 and 44 for 4 layers), and the step computes
+  the same values (compiled for an H100 here; the jnp path on a CPU)."""
+  launches, seconds = {}, {}
+  for layers in (2, 4):
+    for inside in (False, True):
+      report = cost(*_flat(_stacked_step(layers, inside)), target="deviceless")
+      launches[layers, inside] = report.non_gemm_launches
+      seconds[layers, inside] = report.time_s
+  per_layer = {inside: (launches[4, inside] - launches[2, inside]) / 2 for inside in (0, 1)}
+  assert per_layer[True] <= per_layer[False] - 3, launches
+  assert seconds[4, True] < seconds[4, False] and seconds[2, True] < seconds[2, False]
+  step, args = _stacked_step(2, False)
+  step_within, _ = _stacked_step(2, True)
+  concrete = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype) * 0.5, args)
+  for got, want in zip(jax.tree.leaves(jax.jit(step_within)(*concrete)),
+                       jax.tree.leaves(jax.jit(step)(*concrete))):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_every_kernel_of_the_delayed_step_moves_a_tensor_but_the_state_update():
   """No launch for a scalar: no copy of a running amax, no kernel that slices, packs
   or combines one. Besides the GEMMs, each kernel reads a whole bf16 tensor (the
@@ -201,16 +248,18 @@ def test_current_scaling_reads_each_tensor_twice_and_launches_nothing_for_a_scal
     assert fp8.non_gemm_launches == bf16.non_gemm_launches + 10, (fp8.table(), bf16.table())
 
 
-def _gpt_block_step(width, recipe):
-  """A train step of one demo GPT block (`fp8jax.models.gpt.Block`: norm -> q, k, v
-  projections, attention, out projection, the residual add fused into the MLP's norm
-  -> up projection -> GELU -> down projection) on `width` tokens of width `width`, with
-  its FP8 state recorded, and the step's args. Attention runs in bf16 in every recipe
-  (the same kernels), so what differs is the projections and what feeds them."""
-  config = gpt.GptConfig(d_model=width, n_layers=1, n_heads=width // 128, seq_len=width,
+def _gpt_block_step(width, recipe, tokens=8192):
+  """A train step of one demo GPT block (`fp8jax.models.gpt.Block`: norm -> qkv
+  projection, attention, out projection, the residual add fused into the MLP's norm
+  -> up projection -> GELU -> down projection) of width `width` on `tokens` tokens (a
+  step's worth: the 350m step has 8 x 1024), with its FP8 state recorded, and the step's
+  args. Attention runs in bf16 in every recipe (the same kernels), so what differs is the
+  projections and what feeds them."""
+  seq = min(tokens, 2048)
+  config = gpt.GptConfig(d_model=width, n_layers=1, n_heads=width // 128, seq_len=seq,
                          fp8_attention=False)
   block = gpt.Block(config, recipe)
-  x = spec((1, width, width), jnp.bfloat16)
+  x = spec((tokens // seq, seq, width), jnp.bfloat16)
   variables = jax.eval_shape(lambda: block.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype),
                                                 None))
 
@@ -224,22 +273,26 @@ def _gpt_block_step(width, recipe):
 
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")  # cuDNN's stand-in, both recipes
 @pytest.mark.parametrize("width", [2048, 8192])
-def test_current_scaling_in_a_gpt_block_is_predicted_at_least_095x_delayed_scaling(width):
+def test_current_scaling_in_a_gpt_block_is_predicted_at_least_088x_delayed_scaling(width):
   """In the GPT's blocks current scaling costs what knowing each amax before its cast
   costs, and little more: XLA computes each projection's input amax in the kernel that
-  writes the input (the MLP's norm and residual add, the GELU), the weights' in the
-  kernel that converts them to bf16, the output gradients' in the norm's and the GELU's
-  backward, and a pass of its own only after a Pallas kernel (attention's output and the
-  value gradient) and for the attention norm, whose output XLA writes in a reduction;
-  every reduction's second stage is a small launch. At 2048, 1287 us against delayed's
-  1225 (0.952x); at 8192, 0.984x."""
+  writes the input (the MLP's norm and residual add, the GELU), the output gradients' in
+  the norm's and the GELU's backward, and a pass of its own only after a Pallas kernel
+  (attention's output and the value gradient) and for the attention norm, whose output
+  XLA writes in a reduction; every reduction's second stage is a small launch; the
+  weights' amaxes take a pass over each float32 master weight (delayed scaling's casts
+  read it once, as they write the FP8 copies). Delayed scaling's casts also compute the
+  GELU and its backward themselves (`fp8jax.fp8_mlp`), which current scaling cannot: the
+  GELU's output must exist before its amax does, so it is written in bf16 and read back,
+  in each direction (4 bytes per element of [tokens, d_ff]). On 8192 tokens: 0.904x at
+  width 2048 (3518 us against delayed's 3180), 0.945x at 8192."""
   delayed = cost(*_flat(_gpt_block_step(width, DELAYED)), target="deviceless", label="delayed")
   current = cost(*_flat(_gpt_block_step(width, CURRENT)), target="deviceless", label="current")
-  assert delayed.time_s / current.time_s >= 0.95, (width, current.table(), delayed.table())
+  assert delayed.time_s / current.time_s >= 0.88, (width, current.table(), delayed.table())
   # No launch for a scale, a descale or a running amax (the casts make them): what runs
   # in a projection's scope besides its casts and GEMMs moves a tensor, or is an amax
   # reduction's second stage. (Before, 4 to 5 kernels of a few bytes per tensor.)
-  projection = re.compile(r"/(attention/(query|key|value|out)|mlp/(up|down))/")
+  projection = re.compile(r"/(attention/(qkv|out)|mlp/(up|down))/")
   scalars = [k for k in current.kernels if projection.search(k.op_name) and not k.is_gemm
              and k.bytes_in + k.bytes_out < 2**16 and not is_amax_reduction(k)]
   assert not scalars, current.table()

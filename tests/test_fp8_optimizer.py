@@ -4,6 +4,7 @@ References: float64 numpy (the stored moments against the exact ones, with bound
 from E4M3's 3 mantissa bits), optax's own adamw (the same update from the same moments), the
 FP8 format table (E4M3's codes as bit patterns).
 """
+import inspect
 import math
 
 import jax
@@ -11,9 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
 
 import fp8jax.optim as optim
 from fp8jax.optim import moment_codec
+from multidevice import multidevice
 
 BLOCK = 128
 
@@ -223,3 +227,118 @@ def test_bad_storage_options_are_named(field, value, message):
     optim.MomentStorage(**{field: value})
   with pytest.raises(TypeError, match="storage must be a fp8jax.optim.MomentStorage"):
     optim.scale_by_adam_fp8(storage="fp8")
+
+
+def _nnx_updates(tx, jit: bool):
+  """The updates of 5 `nnx.Optimizer` steps on an `nnx.Linear(64, 128)` whose gradient is a
+  constant `c / 64` with |c| log-uniform in [2**-3, 1] (`x` is the identity)."""
+  model = nnx.Linear(64, 128, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  x = jnp.eye(64)
+  c = _log_uniform(jax.random.key(5), (64, 128), -3.0, 0.0)
+  loss = lambda model: jnp.sum(model(x) * c) / 64
+
+  def step(model, optimizer):
+    return optimizer.update(model, nnx.grad(loss)(model))
+
+  step = nnx.jit(step) if jit else step
+  return [np.asarray(step(model, optimizer)["kernel"], np.float64) for _ in range(5)]
+
+
+def _relative_moment_error_bounds(decay, stored_error, steps):
+  """Bounds on |m_t / m_t* - 1| of a moment stored with relative error <= `stored_error`,
+  under a constant gradient g: m_t = (1 - decay) g + decay m_(t-1)(1 + e), exactly
+  a_t* g with a_t* = 1 - decay**t, all terms of g's sign. The first step's moment is
+  exact (the stored zeros decode to zero); then eta_t <= w_t ((1 + eta_(t-1))(1 + d) - 1)
+  with w_t = decay a_(t-1)* / a_t*, and 1 - (1 - eta)(1 - d) is no larger."""
+  bounds = [0.0]
+  for t in range(2, steps + 1):
+    weight = decay * (1 - decay ** (t - 1)) / (1 - decay ** t)
+    bounds.append(weight * ((1 + bounds[-1]) * (1 + stored_error) - 1))
+  return np.array(bounds)
+
+
+def test_in_an_nnx_optimizer_it_steps_like_optax_adamw_within_the_moments_rounding():
+  """`nnx.Optimizer` stores each update's state through `nnx.state`, which hands the FP8
+  moments back as `nnx.State` nodes; the optimizer reads them from the second update on."""
+  storage = optim.MomentStorage(min_size=4096)  # the 64 x 128 kernel in FP8, the bias not
+  want = _nnx_updates(optax.adamw(1e-2, weight_decay=0.0), jit=False)
+  eager = _nnx_updates(optim.adamw(1e-2, weight_decay=0.0, storage=storage), jit=False)
+  jitted = _nnx_updates(optim.adamw(1e-2, weight_decay=0.0, storage=storage), jit=True)
+  # The tolerance, from the storage bounds above: m is proportional to g, whose magnitudes
+  # span 3 binades in a block, so k >= floor(16 * 14.8 / 3) / 16 > 4; v to g**2 (6 binades,
+  # k > 2). m rounds to nearest (half an E4M3 step, 2**-4, in the expanded space), v
+  # stochastically (a whole step, 2**-3): relative errors <= 1.0625**(1/4) - 1 and
+  # 1.125**(1/2) - 1 per store, compounded over the steps as the recursion says. An update
+  # lr m_hat / (sqrt(v_hat) + eps) (eps << |g| >= 2**-9) is then off by at most
+  # (1 + eta_m) / sqrt(1 - eta_v) - 1 relative, plus float32 slack.
+  eta_m = _relative_moment_error_bounds(0.9, 1.0625 ** 0.25 - 1 + _F32_SLACK, 5)
+  eta_v = _relative_moment_error_bounds(0.999, 1.125 ** 0.5 - 1 + _F32_SLACK, 5)
+  bounds = (1 + eta_m) / np.sqrt(1 - eta_v) - 1 + 1e-6
+  for loop in (eager, jitted):
+    for step, (got, reference) in enumerate(zip(loop, want)):
+      assert np.all(np.abs(got / reference - 1) <= bounds[step]), step
+  # The moments were used: a first moment restarted from zero each step would give
+  # m_hat / sqrt(v_hat) = 0.24 / 0.45 = 0.54 times optax's update by the fifth.
+  assert bounds[-1] < 0.46
+
+
+def test_adam_and_adamw_take_optax_parameters_in_optax_order():
+  for ours, theirs in [(optim.adamw, optax.adamw), (optim.adam, optax.adam),
+                       (optim.scale_by_adam_fp8, optax.scale_by_adam)]:
+    ours_params = [(p.name, p.kind) for p in inspect.signature(ours).parameters.values()]
+    theirs_params = [(p.name, p.kind) for p in inspect.signature(theirs).parameters.values()]
+    assert ours_params == theirs_params + [("storage", inspect.Parameter.KEYWORD_ONLY)]
+  # An optax-style positional call binds weight decay as optax does (it used to land in
+  # `mask` and fail in the first update). Float32 moments: optax's own arithmetic.
+  args = (1e-2, 0.9, 0.95, 1e-8, 0.0, None, 0.1)
+  params, _, losses = _train(optim.adamw(*args, storage=optim.MomentStorage(min_size=10**9)), 3)
+  want_params, _, want_losses = _train(optax.adamw(*args), 3)
+  # As in the float32 test above; a weight decay of optax's default 1e-4 instead of 0.1
+  # would move w1 by lr * 0.1 * |w1| ~ 1e-4 a step, 1e-3 relative.
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  for name in params:
+    np.testing.assert_allclose(params[name], want_params[name], rtol=1e-4, atol=1e-7)
+  with pytest.raises(ValueError, match="mu_dtype=.*bfloat16.*leave it None"):
+    optim.adamw(1e-3, mu_dtype=jnp.bfloat16)
+
+
+@multidevice
+def test_moments_of_a_last_axis_split_finer_than_a_block_are_those_of_one_device():
+  """On an explicit mesh whose devices hold 64, 48 or 80 columns of a leaf (under the
+  128-column block), each device reduces its part of a block, the blocks' extremes are
+  gathered, and the stored moments are the one-device moments, bit for bit."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  specs = {"w": P("data", "model"), "v": P(None, ("data", "model")),
+           "u": P("data", None, "model")}  # 320 columns: a last block of 64
+  shapes = {"w": (64, 256), "v": (32, 384), "u": (4, 16, 320)}
+  rng = np.random.default_rng(0)
+  params = {name: rng.standard_normal(shape, np.float32) for name, shape in shapes.items()}
+  grads = [{name: (rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.uniform(-20, 0, shape)
+                   ).astype(np.float32) for name, shape in shapes.items()} for _ in range(2)]
+  tx = optim.adamw(1e-3, weight_decay=0.1)  # stochastic rounding of v: the bits too
+  init, update = jax.jit(tx.init), jax.jit(tx.update)
+  state, want = init(params), []
+  for step_grads in grads:
+    updates, state = update(step_grads, state, params)
+    want.append((updates, state))
+  with jax.set_mesh(mesh):
+    put = lambda tree: {name: jax.device_put(leaf, specs[name]) for name, leaf in tree.items()}
+    sharded_params = put(params)
+    sharded_state = init(sharded_params)
+    for step_grads, (updates, state) in zip(grads, want):
+      sharded_updates, sharded_state = update(put(step_grads), sharded_state, sharded_params)
+      for name in shapes:
+        # XLA:CPU fuses a shard's float32 arithmetic with other multiply-adds than the
+        # whole array's (the FSDP test in test_sharding.py measured 3 ulps): 2**-20 of
+        # the update's scale, lr.
+        np.testing.assert_allclose(sharded_updates[name], updates[name], rtol=0,
+                                   atol=2.0 ** -20 * 1e-3)
+      for got, want_leaf in zip(jax.tree.leaves(sharded_state), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.atleast_1d(np.asarray(got)).view(np.uint8),
+                                      np.atleast_1d(np.asarray(want_leaf)).view(np.uint8))
+  for name, spec in specs.items():
+    for moment in (sharded_state[0].mu[name], sharded_state[0].nu[name]):
+      assert moment.codes.sharding.spec == spec
+      # Two or three blocks a row: the blocks' axis is whole on every device.
+      assert moment.k.sharding.spec[-1] is None and moment.k.shape == state[0].mu[name].k.shape

@@ -160,8 +160,11 @@ def test_small_gpt_fp8_memory_features_shrink_arguments_and_total_as_at_1b(small
   # Arguments: fp32 params (4 B) + Adam moments (8 B in float32, ~2.1 B in FP8).
   assert memory["fp8"].arguments <= 0.55 * memory["bf16"].arguments
   assert memory["plain_fp8"].arguments >= 0.99 * memory["bf16"].arguments
-  # Total: the saved activations are most of it at batch 8 (measured 0.43x; 0.36x at 1b).
-  assert memory["fp8"].total <= 0.6 * memory["bf16"].total
+  # Total: the saved activations are most of it at batch 8. The bf16 step's norms and GELU
+  # keep their bf16 input alone (fp8jax.ops.rms_norm / gelu, no float32 intermediates), so
+  # FP8's half-size copies save less of a smaller total than against autodiff's (0.43x
+  # then; 0.67x now).
+  assert memory["fp8"].total <= 0.7 * memory["bf16"].total
   assert memory["fp8"].temp < memory["plain_fp8"].temp < memory["bf16"].temp
   # Every step donates its state: the outputs are written into the arguments (but for
   # the loss and a few KB of scalars and small FP8 state; without donation, all 66 MB).
@@ -214,6 +217,7 @@ def test_cost_gpt_prints_memory_beside_time_and_the_hopper_attention(small_gpt, 
 
 @pytest.mark.parametrize("argv,message", [
     (["cost", "--fit", "80GiB"], "--fit applies to the demo GPT: add --gpt SIZE"),
+    (["cost", "--fp8-layers", "auto"], "--fp8-layers applies to the demo GPT: add --gpt SIZE"),
     (["cost", "--gpt", "tiny", "--fit", "lots"], "--fit: 'lots' is not an amount of memory"),
     (["cost", "--gpt", "huge"], "--gpt 'huge' is not one of"),
     (["cost", "--gpt", "tiny", "--widths", "8,8"], "--gpt compiles the demo GPT's step"),

@@ -2,7 +2,7 @@
 
 Compiled without a GPU (`fp8jax.deviceless.h100_mesh(data=4, model=2)`) at the
 `125m` size, 8 sequences of 1024 tokens per data shard, with the Megatron-style
-layout of `fp8jax.models.gpt_sharding` (q/k/v/up column-parallel, out/down
+layout of `fp8jax.models.gpt_sharding` (qkv/up column-parallel, out/down
 row-parallel, embedding and FP8 state replicated). Compared with the bf16 twin
 under the same sharding:
 
@@ -37,8 +37,7 @@ pytestmark = [pytest.mark.hopper, pytest.mark.skipif(_MISSING is not None, reaso
 DATA, MODEL = 4, 2
 SEQUENCES_PER_SHARD, SEQ = 8, 1024
 LOCAL_ROWS = SEQUENCES_PER_SHARD * SEQ
-PROJECTIONS = ("attention/query", "attention/key", "attention/value", "attention/out",
-               "mlp/up", "mlp/down", "head")
+PROJECTIONS = ("attention/qkv", "attention/out", "mlp/up", "mlp/down", "head")
 ROLES = ("fp8_fprop", "fp8_dgrad", "fp8_wgrad")
 AMAX_BYTES = 1024  # the amax all-reduces carry a few float32 scalars each
 
@@ -68,7 +67,7 @@ def compiled():
 
 
 def test_every_projection_gemm_is_cublaslt_fp8(compiled):
-  _, programs = compiled
+  config, programs = compiled
   report = inspect_hlo(programs["fp8"])
   by_projection = collections.Counter()
   for gemm in report.gemms:
@@ -78,15 +77,16 @@ def test_every_projection_gemm_is_cublaslt_fp8(compiled):
     if projection is not None:
       assert gemm.runs_in_fp8, str(report)
       by_projection[projection] += 1
-  assert by_projection == {name: 3 for name in PROJECTIONS}, by_projection
+  # fprop, dgrad and wgrad of each block's projection in each (unrolled) layer; the head once.
+  assert by_projection == {name: 3 * (1 if name == "head" else config.n_layers)
+                           for name in PROJECTIONS}, by_projection
 
 
 def test_every_projection_gemm_works_on_the_local_shard(compiled):
   config, programs = compiled
   d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
   local_shape = {  # (in, out) of each projection's per-device GEMM
-      "attention/query": (d, d // MODEL), "attention/key": (d, d // MODEL),
-      "attention/value": (d, d // MODEL), "attention/out": (d // MODEL, d),
+      "attention/qkv": (d, 3 * d // MODEL), "attention/out": (d // MODEL, d),
       "mlp/up": (d, d_ff // MODEL), "mlp/down": (d_ff // MODEL, d),
       # The tied embedding is replicated, so the head runs whole on each "model"
       # shard: the bf16 step does the same.
@@ -119,7 +119,7 @@ def test_fp8_sends_only_amax_scalars_beyond_the_bf16_step(compiled):
 
 
 def _projection(op_name: str) -> str | None:
-  """'attention/query' for a GEMM of the query projection's FP8 dot (None otherwise)."""
+  """'attention/qkv' for a GEMM of the qkv projection's FP8 dot (None otherwise)."""
   if not any(f"/{role}/" in op_name for role in ROLES):
     return None
   for name in PROJECTIONS:

@@ -120,8 +120,7 @@ def test_fp8_state_is_stacked_per_layer_and_every_role_records_an_amax(
   _, variables = small_variables
   state = variables["fp8_meta"]
   blocks, head = state["blocks"], state["head"]["dot_meta"]
-  dots = {"query": blocks["attention"]["query"], "key": blocks["attention"]["key"],
-          "value": blocks["attention"]["value"], "out": blocks["attention"]["out"],
+  dots = {"qkv": blocks["attention"]["qkv"], "out": blocks["attention"]["out"],
           "up": blocks["mlp"]["up"], "down": blocks["mlp"]["down"]}
   assert all(isinstance(d["dot_meta"], fp8jax.DotMeta) for d in dots.values())
   assert isinstance(blocks["attention"]["attention_meta"], fp8jax.AttentionMeta)
@@ -135,7 +134,7 @@ def test_fp8_state_is_stacked_per_layer_and_every_role_records_an_amax(
   new = updates["fp8_meta"]
   assert jax.tree.structure(new) == jax.tree.structure(state)
   forward = [(path, m) for path, m in _roles_with_paths(new) if not path.endswith("grad")]
-  assert len(forward) == 6 * 2 + 4 + 2  # six DotMetas (x, kernel), q/k/v/o, the head
+  assert len(forward) == 4 * 2 + 4 + 2  # four DotMetas (x, kernel), q/k/v/o, the head
   for path, meta in forward:  # every layer of every forward role
     assert np.all(np.asarray(meta.amax) > 0), path
   # The output gradient is seen in the backward pass: one value_and_grad step
@@ -328,8 +327,8 @@ def test_projections_handed_their_inputs_amax_give_the_same_current_scaling_step
     monkeypatch.setattr(fp8_linen, name, spy)
   monkeypatch.setattr(gpt, "_writes_amax", lambda recipe: recipe is not None)
   given = step()
-  # Per trace of the block (nn.scan traces it more than once): q, k, v, up and down get
+  # Per trace of the block (nn.scan traces it more than once): qkv, up and down get
   # one; the attention output's projection does not.
-  assert handed and handed.count(True) == 5 * handed.count(False), handed
+  assert handed and handed.count(True) == 3 * handed.count(False), handed
   for got, want in zip(jax.tree.leaves(given), jax.tree.leaves(measured)):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

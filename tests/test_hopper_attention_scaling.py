@@ -1,4 +1,4 @@
-"""FP8 attention's finer scaling: per-block scales and the rotation of q and k (incoherent processing).
+"""FP8 attention's finer scaling: per-block scales and the rotation of q and k.
 
 `fp8jax.fp8_attention(block_scales=True)` quantizes q, k and v with one current scale per
 128 rows of each head, the form the Hopper FP8 kernels take (their interpreter test is in

@@ -16,6 +16,7 @@ from flax import nnx
 import fp8jax
 from fp8jax.flax.convert import convert_to_fp8
 from fp8jax.flax.layer_filter import BREAK_EVEN_SIZE
+from fp8jax.lowering.break_even import layer_times
 from fp8jax.flax.nnx import Fp8Einsum, Fp8Linear, Fp8LinearGeneral, Fp8MetaVariable
 
 RECIPE = fp8jax.DelayedScaling(amax_history_len=4)
@@ -173,13 +174,21 @@ def test_default_filter_converts_a_layer_at_the_break_even_size_and_not_a_smalle
 
   class TwoLayers(nnx.Module):
     def __init__(self, rngs):
-      # K = N = n: harmonic mean n. Then K = n, N = n - 16: harmonic mean just below n.
+      # K = N = n: FP8 pays at 4096 tokens. K = n, N = n - 16: predicted just slower.
       self.big = nnx.Linear(n, n, rngs=rngs)
       self.small = nnx.Linear(n, n - 16, rngs=rngs)
 
   model = TwoLayers(nnx.Rngs(0))
-  assert convert_to_fp8(model) == (("big",),)
+  report = convert_to_fp8(model, report=True)
+  assert tuple(row.path for row in report.converted) == (("big",),)
   assert isinstance(model.big, Fp8Linear) and type(model.small) is nnx.Linear
+  # The report names each layer's GEMMs in FP8 and the cost model's times at 4096 tokens.
+  big, small = report.rows
+  assert (big.fp8_gemms, small.fp8_gemms) == (("fprop", "dgrad", "wgrad"), ())
+  assert big.predicted == layer_times(4096, n, n)
+  assert small.predicted == layer_times(4096, n, n - 16)
+  assert big.reason.startswith(f"default_layer_filter: chosen (K={n}, N={n}: ")
+  assert small.reason.startswith(f"default_layer_filter: not chosen (K={n}, N={n - 16}: ")
 
 
 def test_a_chosen_layer_that_cannot_become_fp8_stays_with_a_warning():

@@ -110,12 +110,14 @@ def test_per_tensor_delayed_matches_float64_of_the_same_quantization(sizes):
   _assert_within_f32_sums(dx, _ragged64(dy8, np.swapaxes(w8, 1, 2), sizes),
                           _ragged64(np.abs(dy8), np.abs(np.swapaxes(w8, 1, 2)), sizes))
   _assert_within_f32_sums(dw, _wgrad64(x8, dy8, sizes), _wgrad64(np.abs(x8), np.abs(dy8), sizes))
-  assert np.all(np.asarray(y)[sum(sizes):] == 0) and np.all(np.asarray(dx)[sum(sizes):] == 0)
-  # State: x's amax, each expert's amax (0 for an expert without rows), dy's amax.
-  assert float(new_meta.x.amax) == float(jnp.max(jnp.abs(x)))
+  rows = sum(sizes)
+  assert np.all(np.asarray(y)[rows:] == 0) and np.all(np.asarray(dx)[rows:] == 0)
+  # State: x's amax and dy's over the rows in groups (the tail rows are not read), each
+  # expert's amax (0 for an expert without rows).
+  assert float(new_meta.x.amax) == float(jnp.max(jnp.abs(x[:rows])))
   want_w_amax = np.where(np.asarray(sizes) > 0, np.asarray(jnp.max(jnp.abs(w), axis=(1, 2))), 0)
   np.testing.assert_array_equal(np.asarray(new_meta.kernel.amax), want_w_amax)
-  assert float(meta_grad.grad.amax) == float(jnp.max(jnp.abs(dy)))
+  assert float(meta_grad.grad.amax) == float(jnp.max(jnp.abs(dy[:rows])))
 
 
 @pytest.mark.parametrize("name", ["rowwise", "block", "mxfp8"])
@@ -152,6 +154,27 @@ def test_every_recipe_is_close_to_the_unquantized_ragged_dot(name):
   want_dx, want_dw = vjp(dy)
   for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.08
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_rows_past_the_groups_change_no_output_gradient_or_state(name):
+  """As jax.lax.ragged_dot: rows past sum(group_sizes) (a padded buffer) are not read.
+  Filled with 1e6 and NaN, in x and in the output gradient, they leave every output,
+  gradient and recorded amax as zeros there leave them (bit for bit), and the closed
+  state (the next step's scales) with them."""
+  recipe = RECIPES[name]
+  x, w, group_sizes, dy = _problem((90, 0, 60, 7), m=192, seed=4)
+  rows = 157
+  run = jax.jit(lambda x, dy: _run(recipe, x, w, group_sizes, dy))  # one compile for both
+  clean = run(x.at[rows:].set(0.0), dy.at[rows:].set(0.0))
+  dirty = run(*[t.at[rows:].set(1e6).at[rows + 3].set(jnp.nan) for t in (x, dy)])
+  for got, want in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  y, dx = dirty[0], dirty[1]
+  assert np.all(np.asarray(y)[rows:] == 0) and np.all(np.asarray(dx)[rows:] == 0)
+  closed = [fp8jax.close_step(run[3], run[4]) for run in (dirty, clean)]
+  for got, want in zip(jax.tree.leaves(closed[0]), jax.tree.leaves(closed[1])):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_an_expert_without_rows_keeps_its_scale_through_the_step():

@@ -125,6 +125,35 @@ def test_shapes_off_the_kernels_tiles_take_the_jnp_twin_a_loop_of_cublaslt_fp8_g
   assert "3 expert GEMMs (grouped matmuls): 3 per-tile loop" in str(report)
 
 
+def test_a_moe_layers_tile_gemms_get_the_roles_of_the_loops_that_run_them():
+  """An Fp8MoE whose widths the kernels do not tile (d = hidden = 200) runs the jnp twin:
+  per-tile GEMMs in loops, whose bodies are the same for fprop and dgrad when K == N.
+  JAX lowers that body once, with fprop's names, for both loops; the roles come from
+  the loops (each named where it runs): fprop of both layers' GEMMs, dgrad of w_out (x's
+  own gradient is not asked for, so w_in's dgrad is dropped), wgrad of both."""
+  from fp8jax.flax.linen_moe import Fp8MoE
+  layer = Fp8MoE(num_experts=2, top_k=1, hidden=200)
+  x = jax.ShapeDtypeStruct((64, 200), jnp.bfloat16)
+  variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+  def loss(params, fp8_state, x):
+    y, state = layer.apply({"params": params, "fp8_meta": fp8_state}, x,
+                           mutable=["fp8_meta", "intermediates"])
+    return jnp.sum(y.astype(jnp.float32) ** 2), state["fp8_meta"]
+
+  report = lowering.inspect(fp8jax.value_and_grad(loss), variables["params"],
+                            variables["fp8_meta"], x,
+                            compiler_options=lowering.CUBLAS_ONLY_OPTIONS, ptx=False)
+  experts = report.expert_gemms()
+  assert all(g.expert_path is ExpertPath.TILE_LOOP for g in experts), str(report)
+  assert sorted(g.role for g in experts) == ["dgrad", "fprop", "fprop", "wgrad", "wgrad"], (
+      str(report))
+  # The body's own names say fprop (what misled the report before) for the dgrad GEMM.
+  dgrad, = [g for g in experts if g.role == "dgrad"]
+  assert "fp8_grouped_fprop" in dgrad.op_name and dgrad.is_backward
+  assert all(g.is_backward == (g.role != "fprop") for g in experts)
+
+
 def test_xla_ragged_dot_on_fp8_is_a_dense_expansion_of_g_times_the_flops():
   x, w, sizes, _ = _specs()
 

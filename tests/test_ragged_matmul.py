@@ -17,7 +17,8 @@ cost at most 3 roundings (their product, the multiply, the promotion add): <= (1
 significand, at most 2**-8 of the float32 value (which is itself off by the bound above).
 Measured in the interpreter: float32 outputs err by < 1% of the bound (it is a worst
 case); bfloat16 ones reach 0.99 of it (the rounding bound is exact). Rows and groups
-without terms (tail rows, empty groups) have S = 0: they must be exactly 0.
+without terms (tail rows, empty groups) have S = 0: they must be exactly 0. The rows of `a`
+(tokens of `a_t`) past the groups hold NaN, which no product may read.
 """
 import importlib
 
@@ -73,13 +74,15 @@ def _assert_within(got, want, bound, typical_bound=1e-2):
 
 
 def _ragged_problem(seed, m, kc, nout, sizes, mode):
-  """(a [M, Kc], b_t [G, Nout, Kc], group_sizes, a_descale, b_descale)."""
+  """(a [M, Kc], b_t [G, Nout, Kc], group_sizes, a_descale, b_descale); a's rows past
+  the groups (if any) are NaN: no product may read them (ragged_dot's semantics)."""
   import jax.numpy as jnp
   rng = np.random.default_rng(seed)
   g, chunks = len(sizes), -(-kc // 128)
   a_d, b_d = {"tensor": ((), (g,)), "rowwise": ((m,), (g, nout)),
               "block": ((m, chunks), (g, -(-nout // 128), chunks))}[mode]
-  return (_e4m3(rng, (m, kc)), _e4m3(rng, (g, nout, kc)), jnp.asarray(sizes, jnp.int32),
+  a = _e4m3(rng, (m, kc)).at[sum(sizes):].set(jnp.nan)
+  return (a, _e4m3(rng, (g, nout, kc)), jnp.asarray(sizes, jnp.int32),
           _descale(rng, a_d), _descale(rng, b_d))
 
 
@@ -201,13 +204,16 @@ def test_ragged_reference_has_ragged_dot_semantics():
 
 
 def _transposed_problem(seed, m, ka, nb, sizes, mode):
-  """(a_t [Ka, M], b_t [Nb, M], group_sizes, a_descale, b_descale)."""
+  """(a_t [Ka, M], b_t [Nb, M], group_sizes, a_descale, b_descale); a_t's tokens past the
+  groups (if any) are NaN (the kernel masks a_t; b_t there must be finite, as
+  fp8_ragged_dot's casts write it: zeros)."""
   import jax.numpy as jnp
   rng = np.random.default_rng(seed)
   blocks = -(-m // 128)
   a_d, b_d = {"tensor": ((), ()), "rowwise": ((ka,), (nb,)),
               "block": ((ka, blocks), (nb, blocks))}[mode]
-  return (_e4m3(rng, (ka, m)), _e4m3(rng, (nb, m)), jnp.asarray(sizes, jnp.int32),
+  a_t = _e4m3(rng, (ka, m)).at[:, sum(sizes):].set(jnp.nan)
+  return (a_t, _e4m3(rng, (nb, m)), jnp.asarray(sizes, jnp.int32),
           _descale(rng, a_d), _descale(rng, b_d))
 
 

@@ -195,3 +195,25 @@ def test_three_seed_figures_are_the_recorded_comparisons(page):
   assert f"a {record['config']['steps']}-step run" in text
   walls = record["wall_s"].values()
   assert f"{min(walls)}-{max(walls)} s per comparison" in text
+
+
+@pytest.mark.parametrize("page", DEMO_PAGES, ids=lambda page: page.name)
+def test_the_pages_name_the_recorded_machine_wherever_they_quote_its_times_and_spread(page):
+  """A CPU's numbers depend on its processor and on the text it trained on (the Python
+  build's standard library): the records name both, and the pages name the recorded
+  processor where they quote its times and the spread what varies is measured against."""
+  from fp8jax.runs import machine
+  table, seeds = _record("compare_cpu.json"), _record("compare_cpu_3_seeds.json")
+  assert table["machine"] == seeds["machine"] and table["corpus"] == seeds["corpus"]
+  assert table["machine"]["xla_flags"] == ""  # the pages' command, XLA's defaults
+  assert re.fullmatch(r"[0-9a-f]{64}", table["corpus"]["sha256"])
+  text = " ".join(page.read_text().split())
+  named = machine.summary(table["machine"])
+  assert f"about 3.5 minutes on a {named}" in text
+  walls = seeds["wall_s"].values()
+  assert f"{named}, {min(walls)}-{max(walls)} s per comparison" in text
+  low, high = seeds["bf16_final_loss_spread"]
+  assert f"bf16's own seed-to-seed spread ({low:.4f} to {high:.4f})" in text
+  gaps = [run["rel_gap_vs_bf16"] for runs in seeds["seeds"].values() for run in runs
+          if run["recipe"] != "bf16"]
+  assert f"three seeds give here ({_percent(min(gaps))} to {_percent(max(gaps))})" in text

@@ -176,6 +176,24 @@ def test_calibration_changes_no_weight_and_fills_every_history(tmp_path):
   assert len(resumed.losses) == 4
 
 
+def test_the_scale_heatmap_labels_layer_and_expert_separately():
+  from fp8jax.runs import plots
+
+  # The demo MoE GPT's state shapes: under nn.scan a layer axis, the expert weights' an
+  # expert axis after it; the head is not scanned.
+  dot = fp8jax.init_dot_meta(fp8jax.DelayedScaling())
+  stacked = lambda shape: jax.tree.map(lambda a: jax.numpy.broadcast_to(a, shape + a.shape),
+                                        dot)
+  state = {"blocks": {"mlp": {"w_in_meta": stacked((2, 4))}, "attention": stacked((2,))},
+           "head": dot}
+  names, scales = plots.scale_rows(metrics.finite(metrics.fp8_records(state)))
+  assert len(names) == len(scales) == 3 * 2 * 4 + 3 * 2 + 3
+  assert names.count("blocks/mlp/w_in_meta/kernel [layer 1, expert 3]") == 1
+  assert "blocks/attention/x [layer 1]" in names and "head/grad" in names
+  # A record of an older run, without its shape: its entries numbered.
+  old = {"blocks/mlp/w_in_meta/kernel": {"scale": [1.0] * 8}}
+  assert plots.scale_rows(old)[0][-1] == "blocks/mlp/w_in_meta/kernel [entry 7]"
+
 def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
   report = runs.compare(_quick_config(checkpoint_every=24), tmp_path,
                         recipes=("bf16", "delayed", "current"), progress=False)
@@ -215,7 +233,7 @@ def test_compare_writes_the_table_json_and_non_trivial_plots(tmp_path):
                    recipes=("bf16", "delayed", "current"), progress=False, resume=True)
 
 
-def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path):
+def test_compare_json_records_the_versions_machine_and_corpus_it_ran_on(tmp_path):
   import flax
   import jaxlib
   import optax
@@ -228,6 +246,23 @@ def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path
       "python": "{}.{}.{}".format(*sys.version_info[:3]), "jax": jax.__version__,
       "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__,
       "numpy": np.__version__}
+  # The machine: XLA compiles a CPU's programs for its instruction set (fp8jax.runs.machine).
+  machine = saved["machine"]
+  assert machine["device"] == jax.devices()[0].device_kind
+  assert machine["cores"] == os.cpu_count()
+  assert machine["xla_flags"] == os.environ.get("XLA_FLAGS", "")
+  cpuinfo = pathlib.Path("/proc/cpuinfo")
+  first = cpuinfo.read_text().split("\n\n")[0] if cpuinfo.exists() else ""
+  fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+  fields = {key.strip(): value.strip() for key, value in fields.items()}
+  if "model name" in fields and "flags" in fields:  # x86 Linux: what the kernel says
+    assert machine["cpu"] == fields["model name"]
+    assert set(machine["isa"]) <= set(fields["flags"].split()) and machine["isa"]
+  assert runs.machine.summary(machine).startswith(f"{os.cpu_count()}-core ")
+  # The corpus: what the run trained on (its run.json), without the machine's paths.
+  trained_on = json.loads((tmp_path / "bf16" / "run.json").read_text())["corpus"]
+  assert saved["corpus"] == {key: trained_on[key]
+                             for key in ("source", "python_version", "sha256")}
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -235,6 +270,7 @@ def test_compare_json_records_the_python_and_library_versions_it_ran_on(tmp_path
     (["--steps", "0"], "--steps 0 must be a positive integer"),
     (["--recipe", "fp4"], "--recipe 'fp4' is not one of"),
     (["--size", "huge"], "--size 'huge' is not one of"),
+    (["--fp8-layers", "some"], "--fp8-layers 'some' is not one of"),
 ])
 def test_bad_input_is_one_line_never_a_traceback(argv, message, tmp_path, capsys):
   status = main(["train", "--out", str(tmp_path / "run"), *argv])
@@ -265,6 +301,19 @@ def test_a_checkpoint_of_another_size_is_refused_in_one_line(tmp_path, capsys):
   status = main(["train", "--out", str(tmp_path / "tiny"), "--init-from", newest])
   err = capsys.readouterr().err.strip()
   assert status == 2 and "already holds a run's checkpoints" in err
+
+
+def test_fp8_state_of_other_fp8_layers_is_refused(monkeypatch):
+  # --fp8-layers auto keeps the tiny model's projections in bf16, without their FP8 state:
+  # the FP8 state of an "all" run does not fit it, resumed or as a new run's start.
+  saved = _quick_config(recipe="delayed")
+  monkeypatch.setattr(checkpoints, "saved_config", lambda path: (saved, 2))
+  auto = saved.replace(fp8_layers="auto")
+  with pytest.raises(runs.RunError, match="fp8_layers='all', this run has fp8_layers='auto'"):
+    checkpoints.restore("ckpt", auto, corpus=None, continuing=True)
+  with pytest.raises(runs.RunError, match="FP8 state of --fp8-layers all and this run is "
+                                          "--fp8-layers auto; pass --fp8-layers all"):
+    checkpoints.restore("ckpt", auto, corpus=None, continuing=False)
 
 
 def test_compare_refuses_a_recipe_named_twice_before_training(tmp_path, capsys):

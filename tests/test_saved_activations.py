@@ -125,6 +125,54 @@ def test_the_remat_policy_keeps_the_named_fp8_copies_and_gives_the_same_gradient
   assert not [k for k in _saved_residuals(nothing, *args) if k[0] == f8]
 
 
+def _mlp(x, w1, w2, meta, c):
+  """An FP8 MLP feeding a loss linear in its output (as a residual stream feeds the next
+  block, whose input remat keeps): the backward needs none of its outputs."""
+  h, _ = fp8jax.fp8_dense(x, w1, None, meta)
+  y, _ = fp8jax.fp8_dense(gelu(h, save_fp8=True), w2, None, meta)
+  return jnp.sum(y.astype(jnp.float32) * c)
+
+
+def _fp8_casts(jaxpr, found=None) -> list:
+  """The shapes of every cast to E4M3 in `jaxpr` and the jaxprs inside it."""
+  found = [] if found is None else found
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "convert_element_type"
+        and eqn.outvars[0].aval.dtype == jnp.float8_e4m3fn):
+      found.append(eqn.outvars[0].aval.shape)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          _fp8_casts(getattr(sub, "jaxpr", sub), found)
+  return found
+
+
+@pytest.mark.parametrize("recipe", [fp8jax.DelayedScaling(), fp8jax.RowwiseScaling()],
+                         ids=["per_tensor", "per_row"])
+def test_the_remat_policy_keeps_each_fp8_projection_input_and_the_backward_does_not_recast_it(
+    recipe):
+  keys = jax.random.split(jax.random.key(2), 4)
+  x = jax.random.normal(keys[0], (64, 128), jnp.bfloat16)
+  w1 = jax.random.normal(keys[1], (128, 256)) / 12
+  w2 = jax.random.normal(keys[2], (256, 128)) / 16
+  c = jax.random.normal(keys[3], (64, 128))
+  meta = fp8jax.init_dot_meta(recipe)
+  remat = jax.checkpoint(_mlp, policy=saved_activations.policy())
+  kept = sorted(s for d, s in _saved_residuals(remat, x, w1, w2, meta, c)
+                if d == jnp.float8_e4m3fn)
+  # Each projection's FP8 input as its wgrad GEMM reads it (x^T on the per-tensor path;
+  # per row, x quantized along M) and the GELU's FP8 input [64, 256]; no weight's copy.
+  per_tensor = recipe == fp8jax.DelayedScaling()
+  inputs = [(128, 64), (256, 64)] if per_tensor else [(64, 128), (64, 256)]
+  assert kept == sorted(inputs + [(64, 256)])
+  # What the backward computes (jax.vjp's function: remat's recomputation and the three
+  # GEMMs of each layer): the GELU's output, the down projection's input, is not cast to
+  # FP8 again (before the names it was, from a recomputed up projection and GELU).
+  _, backward = jax.vjp(lambda x, w1, w2: remat(x, w1, w2, meta, c), x, w1, w2)
+  recast = _fp8_casts(jax.make_jaxpr(backward)(jnp.float32(1.0)).jaxpr)
+  assert not [shape for shape in recast if shape in ((64, 256), (256, 64))], recast
+
+
 def test_names_match_the_policy():
   q_name, s_name = saved_activations.names("gelu")
   assert q_name.startswith(saved_activations.PREFIX) and s_name.startswith(

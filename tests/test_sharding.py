@@ -29,6 +29,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp8jax
+import pallas_kernels
+from fp8jax.ops import fused_kernels
 from multidevice import multidevice
 
 
@@ -253,6 +255,36 @@ def test_microbatch_accumulation_inside_shard_map_matches_one_device():
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+@multidevice
+@pytest.mark.parametrize("rows_in_use", [150, 0, 256])
+def test_a_row_limited_cast_runs_per_shard_with_each_shards_own_count(monkeypatch, rows_in_use):
+  """fp8_ragged_dot's casts read only the rows within the groups (`valid_rows` counts
+  them in the whole x). Split over 8 devices by rows (32 each), every device's kernel
+  (the Pallas one, interpreted) gets its shard's count: 150 rows in use leave devices
+  0-3 whole, device 4 with 22 rows and devices 5-7 none. FP8 copies and amax are the
+  unsplit definition's bits, and x is not gathered."""
+  monkeypatch.setattr(pallas_kernels, "cast_transpose_amax_in_chain", functools.partial(
+      pallas_kernels.cast_transpose_amax_in_chain, interpret=True))
+  monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
+  x = jax.random.normal(jax.random.key(3), (256, 64), jnp.float32)
+  x = x.at[rows_in_use:].set(1e6)
+  if rows_in_use < 256:
+    x = x.at[rows_in_use + 7].set(jnp.nan)
+  x = x.astype(jnp.bfloat16)
+  cast = jax.jit(lambda x, rows: fused_kernels.cast_transpose_amax(
+      x, jnp.float32(4.0), jnp.float32(0.0), fp8jax.E4M3, valid_rows=rows)[:3])
+  with fused_kernels.fused_kernels(False):
+    want = cast(x, rows_in_use)  # fp8jax's jnp definition, one device
+  sharded = jax.device_put(x, NamedSharding(_mesh(8, 1), P("data", None)))
+  assert "all-gather" not in cast.lower(sharded, rows_in_use).compile().as_text()
+  got = cast(sharded, rows_in_use)
+  bits = lambda a: np.asarray(a).view(np.uint8 if a.dtype.itemsize == 1 else np.uint32)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(bits(g), bits(w))
+  assert float(got[2]) == (float(jnp.max(jnp.abs(x[:rows_in_use].astype(jnp.float32))))
+                           if rows_in_use else 0.0)
 
 
 @multidevice

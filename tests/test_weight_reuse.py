@@ -1,7 +1,7 @@
 """Under gradient accumulation each FP8 kernel is quantized once per step, never reused wrongly.
 
 `fp8jax.accumulate_gradients` quantizes every FP8 kernel once, outside its
-microbatch loop, and the loop reuses those FP8 copies (`fp8jax.weight_reuse`).
+microbatch loop, and the loop reuses those FP8 copies (`fp8jax.ops.weight_reuse`).
 The results must be exactly those of quantizing the kernel in every microbatch,
 for any parameters, and a copy must only ever serve the array it came from.
 """

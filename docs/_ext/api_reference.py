@@ -18,6 +18,8 @@ from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 
+import plain_docstrings
+
 
 def resolve(name: str):
   """The object a public dotted name refers to, read as users read it: attribute first.
@@ -57,14 +59,16 @@ def public_name(cls: type) -> str:
 
 
 def data_entry(name: str, obj) -> list[str]:
-  """A constant: its type and value (an instance's docstring is its class's, not its own)."""
+  """A constant: its type, value and `#:` comment (an instance's docstring is its class's,
+  not its own; `plain_docstrings.attribute_doc`)."""
   value = repr(obj)
   if len(value) > 200:
     value = value[:197] + "..."
   type_name = public_name(type(obj))
   module, attr = name.rsplit(".", 1)
+  doc = plain_docstrings.rewrite(plain_docstrings.attribute_doc(name, obj))
   return [f".. py:data:: {attr}", f"   :module: {module}", f"   :type: {type_name}",
-          f"   :value: {value}", "",
+          f"   :value: {value}", "", *(f"   {line}" if line else "" for line in doc),
           ""]
 
 

@@ -11,10 +11,21 @@ napoleon reads a docstring, this extension
 - writes each `code` span as :py:obj:`code` (shown as code, linked where it names a
   documented object; napoleon leaves colons inside a role alone), with the escaped
   space reStructuredText needs next to a letter;
-- escapes bars outside code.
+- escapes bars outside code;
+- writes a Returns (or Yields) section that opens with a parenthesized tuple,
+  "(y, new_meta): y ...", as the field it is, all description: napoleon would read the
+  text before the first colon as the return type.
+
+A constant's documentation is its `#:` comment (or the string after it) where it is
+assigned, found through the package's modules when the reference names it where it is
+imported (`fp8jax.E4M3`, assigned in `fp8jax.core.formats`): `attribute_doc`.
 """
 import inspect
 import re
+import sys
+
+from sphinx.pycode import ModuleAnalyzer
+from sphinx.errors import PycodeError
 
 # The section headers napoleon understands: their indented bodies are its to parse.
 _SECTIONS = re.compile(
@@ -23,6 +34,10 @@ _SECTIONS = re.compile(
     r"Parameters|Receives?|Returns?|Raises?|References|See Also|Tip|Todo|Warnings?|Warns|"
     r"Yields?)\s*:\s*$")
 _BULLET = re.compile(r"^(\s*)([*+-]|\d+[.)])\s+")
+# A Returns / Yields section header, and its field's name in reStructuredText.
+_RETURNS = re.compile(r"^(\s*)(Returns?|Yields?)\s*:\s*$")
+_RETURNS_FIELD = {"Return": "returns", "Returns": "returns", "Yield": "Yields",
+                  "Yields": "Yields"}
 # A `code` span (not ``literal``, not a :role:`target`), or a bar.
 _CODE_OR_BAR = re.compile(r"(?<![`:\\])`([^`]+)`(?!`)|\\?\|")
 
@@ -99,6 +114,57 @@ def _markup(text: str) -> str:
   return _CODE_OR_BAR.sub(replace, text)
 
 
+def tuple_returns_as_fields(lines: list[str]) -> list[str]:
+  """Each Returns / Yields section whose text opens with "(" (a tuple described in prose,
+  not a type) as a `:returns:` field: napoleon leaves a field as it is."""
+  out: list[str] = []
+  i = 0
+  while i < len(lines):
+    header = _RETURNS.match(lines[i])
+    if not header:
+      out.append(lines[i])
+      i += 1
+      continue
+    indent = len(header.group(1))
+    end = i + 1
+    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > indent):
+      end += 1
+    body = lines[i + 1:end]
+    while body and not body[-1].strip():
+      body.pop()
+    if not body or not body[0].lstrip().startswith("("):
+      out += lines[i:end]
+    else:
+      margin = min(_indent(line) for line in body if line.strip())
+      field = f"{header.group(1)}:{_RETURNS_FIELD[header.group(2)]}: "
+      out.append(field + body[0][margin:])
+      out += [(" " * (indent + 3) + line[margin:]) if line.strip() else "" for line in body[1:]]
+      out += lines[i + 1 + len(body):end]
+    i = end
+  return out
+
+
+def attribute_doc(name: str, obj) -> list[str]:
+  """The documentation of the constant `name` (`package.module.NAME`) is `obj`: its `#:`
+  comment where it is assigned, read in the module that names it or else in the first
+  module of its package that holds the same object under that name; [] if none has one."""
+  module_name, attr = name.rsplit(".", 1)
+  package = module_name.split(".")[0]
+  candidates = [module_name] + sorted(
+      m for m in list(sys.modules) if m == package or m.startswith(package + "."))
+  for candidate in candidates:
+    module = sys.modules.get(candidate)
+    if module is None or getattr(module, attr, None) is not obj:
+      continue
+    try:
+      docs = ModuleAnalyzer.for_module(candidate).find_attr_docs()
+    except PycodeError:
+      continue
+    if ("", attr) in docs:
+      return list(docs[("", attr)])
+  return []
+
+
 def rewrite(lines: list[str]) -> list[str]:
   lines, literal = literal_block_lines(lines)
   out: list[str] = []
@@ -113,14 +179,15 @@ def rewrite(lines: list[str]) -> list[str]:
       run.append(line)
   if run:
     out += _markup("\n".join(run)).split("\n")
-  return out
+  return tuple_returns_as_fields(out)
 
 
 def process(app, what, name, obj, options, lines):
-  if what in ("data", "attribute") and lines and "\n".join(lines).strip() == (
-      inspect.getdoc(type(obj)) or "").strip():
-    lines[:] = []  # a constant's own docstring is its type's (a dict's, a tuple's): none
-    return
+  if what in ("data", "attribute") and (not lines or "\n".join(lines).strip() == (
+      inspect.getdoc(type(obj)) or "").strip()):
+    # A constant's own docstring is its type's (a dict's, a tuple's): its `#:` comment
+    # where it is assigned, if the module that names it is not that one.
+    lines[:] = attribute_doc(name, obj) if what == "data" else []
   lines[:] = rewrite(lines)
 
 

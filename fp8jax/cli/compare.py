@@ -38,6 +38,8 @@ def run(args) -> int:
     config = config_from(args, "bf16", base=base)
     report = runs.compare(config, args.out, recipes=recipes, resume=args.resume)
     print(runs.table(report))
+    print(f"on {runs.machine.summary(report['machine'])}, corpus sha256 "
+          f"{report['corpus']['sha256'][:12]}")
     print(f"wrote {', '.join(f'{args.out}/{name}' for name in report['files'])}")
     return 0
 

@@ -36,6 +36,10 @@ def add_parser(commands) -> None:
                                 "instead of the example")
   cost_parser.add_argument("--baseline", metavar="MODULE:FUNCTION",
                            help="with --factory: the baseline (e.g. bf16) to compare with")
+  cost_parser.add_argument("--chip", choices=("h100", "h200"), default="h100",
+                           help="the GPU to predict for: its calibrated constants and its "
+                                "memory (the program is compiled for Hopper either way; "
+                                "default: h100)")
   cost_parser.add_argument("--constant", action="append", default=[], metavar="NAME=VALUE",
                            help=f"override a machine constant (repeatable); one of: {names}")
   example.add_argument("--mesh", metavar="AXIS=N,...", default=None,
@@ -61,7 +65,7 @@ def _predict(args) -> int:
   # By name: the package's `cost` is the function, which hides the module.
   from fp8jax.lowering.cost import compare, cost, to_json
 
-  constants = _parse_constants(args.constant)
+  constants = _parse_constants(args.constant, args.chip)
   if args.json:
     folder = os.path.dirname(os.path.abspath(args.json))
     if not os.path.isdir(folder):
@@ -168,9 +172,9 @@ def _parse_widths(text: str) -> tuple[int, ...]:
                        "512,1024,512.") from None
 
 
-def _parse_constants(items: list[str]):
-  """`CostConstants` with the `--constant NAME=VALUE` overrides."""
-  from fp8jax.lowering.cost import CostConstants
+def _parse_constants(items: list[str], chip: str = "h100"):
+  """The chip's `CostConstants` with the `--constant NAME=VALUE` overrides."""
+  from fp8jax.lowering.cost import CHIP_CONSTANTS, CostConstants
 
   names = [f.name for f in dataclasses.fields(CostConstants)]
   overrides = {}
@@ -186,6 +190,6 @@ def _parse_constants(items: list[str]):
       raise CommandError(f"--constant {item!r}: {value!r} is not a number (e.g. "
                          f"{name}={getattr(CostConstants, name):g}).") from None
   try:
-    return CostConstants(**overrides)
+    return dataclasses.replace(CHIP_CONSTANTS[chip], **overrides)
   except ValueError as e:
     raise CommandError(f"--constant: {e}") from None

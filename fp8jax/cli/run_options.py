@@ -30,6 +30,9 @@ OPTIONS = {
                   "FP8 expert GEMMs under an FP8 recipe (default 0: the dense MLP)"),
     "--top-k": ("top_k", int, "with --experts, the experts each token is routed to "
                 "(default 2)"),
+    "--fp8-layers": ("fp8_layers", str, "under an FP8 recipe, the projections in FP8: all "
+                     "(default), or auto: where the cost model predicts FP8 no slower than "
+                     "bf16 on an H100 (none at the tiny and small sizes)"),
 }
 
 

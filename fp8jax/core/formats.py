@@ -35,7 +35,9 @@ class Fp8Format:
     return f"fp8jax.{self.name.upper()}"
 
 
+#: 4 exponent and 3 mantissa bits, largest 448: activations and weights.
 E4M3 = Fp8Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 2.0**-6, 2.0**-9, 3)
+#: 5 exponent and 2 mantissa bits, largest 57344: gradients under "hybrid".
 E5M2 = Fp8Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2.0**-14, 2.0**-16, 2)
 
 # Format choice -> (format of forward tensors, format of gradients).

@@ -48,6 +48,7 @@ import numpy as np
 
 from fp8jax.core.validation import check_int
 
+#: Token ids are bytes: 256 of them.
 VOCAB_SIZE = 256
 SEPARATOR_TEMPLATE = "\n# ---- {path} ----\n"
 EXCLUDED_DIRECTORIES = ("site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",

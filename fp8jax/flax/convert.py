@@ -109,7 +109,7 @@ def _convert_layers(model, layer_filter, recipe, rules, filter_name) -> list[Dot
       continue
     decision = decide(rules, plan.layer, layer_filter, recipe, filter_name)
     if decision.recipe is None:
-      records.append(DotRecord.of(plan.layer, None, decision.reason))
+      records.append(DotRecord.of(plan.layer, None, decision.reason, decision.predicted))
       continue
     blocker = plan.blocker
     if blocker is None and not path:
@@ -121,7 +121,8 @@ def _convert_layers(model, layer_filter, recipe, rules, filter_name) -> list[Dot
       records.append(_stays_high_precision(plan.layer, blocker))
       continue
     replacements[id(node)] = _fp8_layer(node, decision.recipe)
-    records.append(DotRecord.of(plan.layer, decision.recipe, decision.reason))
+    records.append(DotRecord.of(plan.layer, decision.recipe, decision.reason,
+                                decision.predicted))
   for _, node in nodes:
     _replace_children(node, replacements)
   return records
@@ -139,12 +140,12 @@ def _convert_dots(model, recipe, rules, example_inputs) -> list[DotRecord]:
     dot = call.info(path + (name,))
     decision = decide(rules, dot, default_layer_filter, recipe, "default_layer_filter")
     if decision.recipe is None:
-      records.append(DotRecord.of(dot, None, decision.reason))
+      records.append(DotRecord.of(dot, None, decision.reason, decision.predicted))
     elif call.blocker is not None:
       records.append(_stays_high_precision(dot, call.blocker))
     else:
       metas.setdefault(path, {})[name] = init_call_meta(call, decision.recipe)
-      records.append(DotRecord.of(dot, decision.recipe, decision.reason))
+      records.append(DotRecord.of(dot, decision.recipe, decision.reason, decision.predicted))
   convert_dots(modules, metas)
   return records
 

@@ -1,14 +1,18 @@
 """What runs in FP8 in a converted model, and why: `Fp8Report`.
 
-`Fp8Model.report(rngs, *args)` (linen) returns one; `print(report)` shows a
-table with one row per candidate dot (dense layers and the dots modules call
-themselves), `report.rows` holds the same as `DotRecord`s and
-`report.to_json()` writes it for a file.
+`Fp8Model.report(rngs, *args)` (linen) and `convert_to_fp8(..., report=True)` (nnx)
+return one; `print(report)` shows a table with one row per candidate dot (dense
+layers and the dots modules call themselves): which of its GEMMs run in FP8 and
+why, with the cost model's predicted times where it decided. `report.rows` holds
+the same as `DotRecord`s and `report.to_json()` writes it for a file.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+
+from fp8jax.core.recipes import GEMMS
+from fp8jax.lowering.break_even import LayerTimes
 
 # The kinds of dots a module calls itself (the others are dense layers).
 OP_KINDS = ("dot_general", "einsum", "matmul", "dot", "ragged_dot")
@@ -27,6 +31,12 @@ class DotRecord:
     k, n: the GEMM's contracting and output sizes.
     recipe: the recipe's class name when the dot runs in FP8, else None.
     reason: the rule or filter that decided, or why FP8 cannot run.
+    fp8_gemms: the dot's GEMMs that run in FP8, of ("fprop", "dgrad", "wgrad"): all
+      three under a recipe, less those its `high_precision` names; () when the dot
+      runs in high precision.
+    predicted: where the cost model decided (`default_layer_filter`, a
+      `CostModelFilter`), its predicted kernel times of the dot's train step in bf16
+      and in FP8 (`fp8jax.lowering.break_even.LayerTimes`); else None.
   """
 
   path: tuple
@@ -37,16 +47,20 @@ class DotRecord:
   n: int
   recipe: str | None
   reason: str
+  fp8_gemms: tuple[str, ...] = ()
+  predicted: LayerTimes | None = None
 
   @property
   def fp8(self) -> bool:
     return self.recipe is not None
 
   @classmethod
-  def of(cls, dot, recipe, reason: str) -> "DotRecord":
+  def of(cls, dot, recipe, reason: str, predicted: LayerTimes | None = None) -> "DotRecord":
     """The record of a `LayerInfo`, run with `recipe` (None: high precision)."""
+    gemms = () if recipe is None else tuple(g for g in GEMMS if g not in recipe.high_precision)
     return cls(tuple(dot.path), dot.kind, dot.input_shape, tuple(dot.kernel_shape), dot.k,
-               dot.n, None if recipe is None else type(recipe).__name__, reason)
+               dot.n, None if recipe is None else type(recipe).__name__, reason, gemms,
+               predicted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +75,11 @@ class Fp8Report:
     return tuple(row for row in self.rows if row.fp8)
 
   def __str__(self) -> str:
-    header = ("path", "kind", "x", "kernel", "K", "N", "FP8", "why")
+    header = ("path", "kind", "x", "kernel", "K", "N", "FP8", "GEMMs in FP8", "why")
     lines = [header] + [
         ("/".join(str(p) for p in row.path) or "(model)", row.kind, _shape(row.lhs_shape),
-         _shape(row.rhs_shape), str(row.k), str(row.n), row.recipe or "-", row.reason)
+         _shape(row.rhs_shape), str(row.k), str(row.n), row.recipe or "-",
+         _gemms(row.fp8_gemms), row.reason)
         for row in self.rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1]
@@ -73,7 +88,8 @@ class Fp8Report:
     return "\n".join(text)
 
   def to_json(self) -> str:
-    rows = [dict(dataclasses.asdict(row), path=[str(p) for p in row.path]) for row in self.rows]
+    rows = [dict(dataclasses.asdict(row), path=[str(p) for p in row.path],
+                 predicted=_times(row.predicted)) for row in self.rows]
     return json.dumps({"dots": rows, "fp8": len(self.converted), "total": len(self.rows)},
                       indent=1)
 
@@ -101,6 +117,19 @@ def nothing_converted_message(report: Fp8Report, who: str, filter_passed: bool) 
   return (f"fp8jax: {who} runs none of the model's {len(report.rows)} candidate dots in FP8 "
           f"(the first: {first.path} {first.kind}, {first.reason}). To fix: "
           + "; ".join(fixes) + ".")
+
+
+def _times(times: LayerTimes | None) -> dict | None:
+  """The predicted kernel times in seconds, with both totals."""
+  if times is None:
+    return None
+  return dict(dataclasses.asdict(times), bf16_s=times.bf16_s, fp8_s=times.fp8_s)
+
+
+def _gemms(gemms: tuple[str, ...]) -> str:
+  if tuple(gemms) == GEMMS:
+    return "all 3"
+  return "+".join(gemms) or "-"
 
 
 def _shape(shape) -> str:

@@ -68,6 +68,7 @@ from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.flax.dot_report import Fp8Report, nothing_converted_message
 from fp8jax.flax.interception_session import Session
+from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.flax.layer_filter import LayerInfo, check_layer_filter, default_layer_filter
 from fp8jax.flax.op_routing import dot_calls_routed_to
 from fp8jax.flax.rules import Fp8Rule, check_rules
@@ -259,6 +260,7 @@ def _dense_plan(module, args, kwargs) -> _Plan | None:
 
   def fp8(kernel, bias, meta):
     x_, kernel_, bias_ = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
+    kernel_ = master_kernel(kernel, kernel_)
     return fp8_dense(x_, kernel_, bias_, meta)
 
   return _Plan(layer, _dot_blocker(module) or _dtype_blocker(module, x), fp8)
@@ -282,6 +284,7 @@ def _dense_general_plan(module, args, kwargs) -> _Plan | None:
 
   def fp8(kernel, bias, meta):
     x_, kernel_, bias_ = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
+    kernel_ = master_kernel(kernel, kernel_)
     n_batch = len(batch_dims)
     dims = ((axis, tuple(range(n_batch, n_batch + len(axis)))),
             (batch_dims, tuple(range(n_batch))))
@@ -320,6 +323,7 @@ def _einsum_plan(module, args, kwargs) -> _Plan | None:
 
   def fp8(kernel, bias, meta):
     x_, kernel_, bias_ = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
+    kernel_ = master_kernel(kernel, kernel_)
     y, new_meta = fp8_einsum(spec, x_, kernel_, meta)
     if bias_ is not None:
       # The bias has the kernel's dims that the output keeps, in the output's order.

@@ -35,6 +35,7 @@ from fp8jax.flax.dot_report import DotRecord, Fp8Report
 from fp8jax.flax.layer_filter import LayerInfo, default_layer_filter
 from fp8jax.flax.linen import FP8_COLLECTION
 from fp8jax.flax.rules import OP_KINDS, decide
+from fp8jax.core.calibration import training_recipe
 from fp8jax.core.meta import init_dot_meta
 from fp8jax.ops.guards import detach_outside_step, guard_fp8_state
 
@@ -115,7 +116,7 @@ class Session:
                    else "layer_filter")
     decision = decide(self.rules, layer, self.layer_filter, self.recipe, filter_name)
     if decision.recipe is None:
-      self._record(layer, None, decision.reason)
+      self._record(layer, None, decision.reason, decision.predicted)
       return next_fun(*args, **kwargs)
     if plan.blocker is not None:
       return self._stays_high_precision(layer, plan.blocker, next_fun(*args, **kwargs))
@@ -132,7 +133,7 @@ class Session:
     with self._fp8_op():
       y, new_meta = plan.fp8(kernel, bias, meta)
     self._write_state(frame, "dot_meta", new_meta)
-    self._record(layer, decision.recipe, decision.reason)
+    self._record(layer, decision.recipe, decision.reason, decision.predicted)
     return y
 
   # ----- dots a module calls itself ----------------------------------------------------
@@ -150,7 +151,7 @@ class Session:
     decision = decide(self.rules, dot, default_layer_filter, self.recipe,
                       "default_layer_filter")
     if decision.recipe is None:
-      self._record(dot, None, decision.reason)
+      self._record(dot, None, decision.reason, decision.predicted)
       return self._pass_on(original, args, kwargs)
     if call.blocker is not None:
       return self._stays_high_precision(dot, call.blocker,
@@ -162,7 +163,7 @@ class Session:
     with self._fp8_op():
       y, new_meta = fp8_dot_call(call, meta)
     self._write_state(frame, name, new_meta)
-    self._record(dot, decision.recipe, decision.reason)
+    self._record(dot, decision.recipe, decision.reason, decision.predicted)
     return y
 
   # ----- state -------------------------------------------------------------------------
@@ -189,7 +190,7 @@ class Session:
     outer = self.frames[0].module.scope
     if scope.has_variable(FP8_COLLECTION, name):
       meta = scope.get_variable(FP8_COLLECTION, name)
-      if meta.recipe != recipe:
+      if training_recipe(meta.recipe) != recipe:  # fp8jax.calibrate's step follows it too
         raise ValueError(
             f"{_named(dot)} runs with recipe={recipe} but its '{FP8_COLLECTION}' state was "
             f"made for recipe={meta.recipe}. Initialize fresh FP8 state for the new recipe "
@@ -242,10 +243,10 @@ class Session:
     self._record(dot, None, f"unsupported: {why.rstrip('.')}")
     return out
 
-  def _record(self, dot: LayerInfo, recipe, reason: str) -> None:
+  def _record(self, dot: LayerInfo, recipe, reason: str, predicted=None) -> None:
     key = tuple(dot.path) + (dot.kind,)
     if key not in self.records:
-      self.records[key] = DotRecord.of(dot, recipe, reason)
+      self.records[key] = DotRecord.of(dot, recipe, reason, predicted)
 
 
 _NOT_CARRIED = (f"it runs inside a lifted transform (nn.scan, nn.vmap, ...) that does not carry "

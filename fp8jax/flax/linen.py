@@ -36,10 +36,13 @@ from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.mesh.explicit import with_out_sharding
+from fp8jax.core.calibration import training_recipe
+from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.core.meta import DotMeta, init_attention_meta, init_dot_meta
 from fp8jax.core.recipes import DelayedScaling, Recipe
 from fp8jax.ops.guards import detach_outside_step, guard_fp8_state
 
+#: The Flax collection that holds the FP8 layers' state (`Fp8Meta` per role).
 FP8_COLLECTION = "fp8_meta"
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -67,7 +70,7 @@ def dot_meta_variable(module: nn.Module, recipe: Recipe, name: str = "dot_meta")
   """The module's `DotMeta` variable; checks it follows the module's recipe."""
   variable = fp8_variable(module, name, init_dot_meta, recipe)
   stored = variable.value.recipe
-  if stored != recipe:
+  if training_recipe(stored) != recipe:  # the state of a step of fp8jax.calibrate follows it too
     raise ValueError(
         f"{module.__class__.__name__} {module.name!r} has recipe={recipe} but its "
         f"'{FP8_COLLECTION}' state was made for recipe={stored}. Initialize fresh FP8 state "
@@ -149,7 +152,8 @@ class Fp8Dense(nn.Module):
                         self.param_dtype)
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    x, promoted, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    kernel = master_kernel(kernel, promoted)
     variable = dot_meta_variable(self, self.recipe)
     y, new_meta = fp8_dense(x, kernel, bias, read_meta(self, variable),
                             x_amax=_amax_of_cast(x_amax, inputs, x))
@@ -183,7 +187,8 @@ class Fp8DenseGeneral(nn.Module):
     kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
     bias = (self.param("bias", self.bias_init, features, self.param_dtype)
             if self.use_bias else None)
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    x, promoted, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    kernel = master_kernel(kernel, promoted)
     variable = dot_meta_variable(self, self.recipe)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
     y, new_meta = fp8_dot_general(x, kernel, read_meta(self, variable), dims,
@@ -234,7 +239,8 @@ class Fp8Einsum(nn.Module):
           break
         trailing.insert(0, self.shape[k_labels.index(label)])
       bias = self.param("bias", self.bias_init, tuple(trailing), self.param_dtype)
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    x, promoted, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    kernel = master_kernel(kernel, promoted)
     variable = dot_meta_variable(self, self.recipe)
     y, new_meta = fp8_einsum(einsum_str, x, kernel, read_meta(self, variable))
     store_dot_meta(self, variable, new_meta)

@@ -8,6 +8,7 @@ import flax.linen as nn
 
 from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax import linen as fp8nn
+from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.telemetry import TELEMETRY_COLLECTION, dot_stats
 
 
@@ -56,7 +57,8 @@ def _sow_dot_stats(next_fun, args, kwargs, context):
   else:
     x = args[0] if args else kwargs.get("x", kwargs.get("inputs"))
     kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
-    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
+    x, promoted = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
+    kernel = master_kernel(kernel, promoted)  # what the layer quantizes
     dimension_numbers = _contraction(module, x, kernel)
   for role, stats in dot_stats(x, kernel, meta, dimension_numbers=dimension_numbers).items():
     module.sow(TELEMETRY_COLLECTION, role, stats)

@@ -42,6 +42,7 @@ from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.mesh.explicit import with_out_sharding
+from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.core.meta import init_attention_meta, init_dot_meta
 from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
 from fp8jax.ops.guards import NNX_FIX, detach_outside_step, guard_fp8_state
@@ -119,7 +120,8 @@ class Fp8Linear(nnx.Module):
     (the output's sharding on an explicit-axis mesh)."""
     kernel = _get(self.kernel)
     bias = _get(self.bias) if self.bias is not None else None
-    x, kernel, bias = nnx.nn.dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    x, promoted, bias = nnx.nn.dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    kernel = master_kernel(kernel, promoted)
     y, new_meta = fp8_dense(x, kernel, bias, read_variable(self.fp8_meta, "of an Fp8Linear"))
     record_variable(self, self.fp8_meta, new_meta)
     return with_out_sharding(y, out_sharding)
@@ -147,7 +149,8 @@ class Fp8Einsum(nnx.Module):
     """`einsum(einsum_str, inputs, kernel)`; `einsum_str` (overrides the constructor's)
     and `out_sharding` as for `nnx.Einsum`."""
     einsum_str = _one_equation(self.einsum_str, einsum_str)
-    x, kernel = nnx.nn.dtypes.promote_dtype((inputs, _get(self.kernel)), dtype=self.dtype)
+    x, promoted = nnx.nn.dtypes.promote_dtype((inputs, _get(self.kernel)), dtype=self.dtype)
+    kernel = master_kernel(_get(self.kernel), promoted)
     meta = read_variable(self.fp8_meta, "of an Fp8Einsum")
     y, new_meta = fp8_einsum(einsum_str, x, kernel, meta)
     record_variable(self, self.fp8_meta, new_meta)
@@ -250,7 +253,8 @@ class Fp8LinearGeneral(nnx.Module):
     batch = tuple(a for a, _ in self.batch_axis)
     kernel = _get(self.kernel)
     bias = _get(self.bias) if self.bias is not None else None
-    x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    x, promoted, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    kernel = master_kernel(kernel, promoted)
     dims = ((axis, tuple(range(len(batch), len(batch) + len(axis)))),
             (batch, tuple(range(len(batch)))))
     meta = read_variable(self.fp8_meta, "of an Fp8LinearGeneral")

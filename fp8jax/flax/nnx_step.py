@@ -18,6 +18,9 @@ back into `model`, so under `nnx.jit` the step updates it in place, as
 `nnx.value_and_grad` does. The hand-written loop of `fp8jax.flax.nnx` (split
 into params and FP8 state, merge inside the loss) cannot carry that other state
 and fails with nnx's TraceContextError.
+
+`nnx_calibrate(loss_fn)(model, *args)` seeds a fresh model's delayed-scaling state
+before its first step (`fp8jax.calibrate`), changing nothing else.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Callable
 from flax import nnx
 
 from fp8jax.flax.nnx import Fp8MetaVariable
+from fp8jax.step.training import calibrate as fp8_calibrate
 from fp8jax.step.training import value_and_grad as fp8_value_and_grad
 
 
@@ -49,17 +53,7 @@ def nnx_value_and_grad(loss_fn: Callable, *, has_aux: bool = False, wrt=nnx.Para
 
   def step(model: nnx.Module, *args):
     graphdef, params, fp8_state, rest = nnx.split(model, wrt, Fp8MetaVariable, ...)
-
-    def pure_loss(params, fp8_state, rest, *args):
-      merged = nnx.merge(graphdef, params, fp8_state, rest, copy=True)  # variables of this trace
-      out = loss_fn(merged, *args)
-      new_fp8_state = nnx.state(merged, Fp8MetaVariable)
-      new_rest = nnx.state(merged, nnx.Not(nnx.Any(wrt, Fp8MetaVariable)))
-      if has_aux:
-        loss, aux = out
-        return (loss, (aux, new_rest)), new_fp8_state
-      return (out, new_rest), new_fp8_state
-
+    pure_loss = _pure_loss(loss_fn, has_aux, wrt, graphdef)
     results = fp8_value_and_grad(pure_loss, has_aux=True, report_overflow=report_overflow)(
         params, fp8_state, rest, *args)
     (loss, extra), grads, new_fp8_state = results[:3]
@@ -69,3 +63,42 @@ def nnx_value_and_grad(loss_fn: Callable, *, has_aux: bool = False, wrt=nnx.Para
     return (value, grads) + tuple(results[3:])
 
   return step
+
+
+def nnx_calibrate(loss_fn: Callable, *, has_aux: bool = False, wrt=nnx.Param) -> Callable:
+  """`fp8jax.calibrate` for an nnx model: seeds its FP8 state before the first step.
+
+  Run once on a training batch, under `nnx.jit` or eagerly, before the first train
+  step of a model with fresh delayed-scaling state (see `fp8jax.calibrate`).
+
+  Args:
+    loss_fn, has_aux, wrt: as for `nnx_value_and_grad` (the train step's loss).
+
+  Returns:
+    `calibrate(model, *args) -> None`: the model's `Fp8MetaVariable`s are updated in
+    place; its parameters and other state (dropout rngs, batch statistics) are not.
+  """
+
+  def calibrate(model: nnx.Module, *args) -> None:
+    graphdef, params, fp8_state, rest = nnx.split(model, wrt, Fp8MetaVariable, ...)
+    pure_loss = _pure_loss(loss_fn, has_aux, wrt, graphdef)
+    nnx.update(model, fp8_calibrate(pure_loss, has_aux=True)(params, fp8_state, rest, *args))
+
+  return calibrate
+
+
+def _pure_loss(loss_fn: Callable, has_aux: bool, wrt, graphdef) -> Callable:
+  """`loss_fn` over the model's split state, for `fp8jax.value_and_grad`:
+  `(params, fp8_state, rest, *args) -> ((loss, (aux, new_rest) or new_rest), new_fp8_state)`."""
+
+  def pure_loss(params, fp8_state, rest, *args):
+    merged = nnx.merge(graphdef, params, fp8_state, rest, copy=True)  # variables of this trace
+    out = loss_fn(merged, *args)
+    new_fp8_state = nnx.state(merged, Fp8MetaVariable)
+    new_rest = nnx.state(merged, nnx.Not(nnx.Any(wrt, Fp8MetaVariable)))
+    if has_aux:
+      loss, aux = out
+      return (loss, (aux, new_rest)), new_fp8_state
+    return (out, new_rest), new_fp8_state
+
+  return pure_loss

@@ -16,7 +16,9 @@ Rules are data, read in order; the first rule that names a dot decides:
 A dot that no rule names goes by the filter: `layer_filter` for the dense layers
 (the cost model's `default_layer_filter` unless you pass your own) and always
 `default_layer_filter` for the dots a module calls itself, so that passing a
-filter written for layers does not also convert every attention product.
+filter written for layers does not also convert every attention product. Where a
+cost-model filter decides (`default_layer_filter`, a `CostModelFilter`), the
+decision carries its predicted times and says them.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ import dataclasses
 import re
 from typing import Callable
 
-from fp8jax.flax.layer_filter import (BREAK_EVEN_SIZE, DIM_MULTIPLE, LayerInfo, chosen,
-                                      default_layer_filter)
+from fp8jax.flax.layer_filter import LayerInfo, chosen, cost_model_of
 from fp8jax.flax.dot_report import OP_KINDS
 from fp8jax.core.recipes import DelayedScaling, Recipe, check_recipe
+from fp8jax.lowering.break_even import LayerTimes
 
 # The kinds of the dots a module calls itself (the kinds of dense layers are their class names).
 
@@ -68,10 +70,12 @@ class Fp8Rule:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """How one candidate dot runs: `recipe` None for high precision, and why."""
+  """How one candidate dot runs: `recipe` None for high precision, and why; `predicted`:
+  the cost model's times where a cost-model filter decided, else None."""
 
   recipe: Recipe | None
   reason: str
+  predicted: LayerTimes | None = None
 
 
 def check_rules(rules) -> tuple[Fp8Rule, ...]:
@@ -104,18 +108,10 @@ def decide(rules: tuple[Fp8Rule, ...], dot: LayerInfo, dot_filter: Callable[[Lay
     if rule.names(dot):
       how = "high precision" if rule.recipe is None else type(rule.recipe).__name__
       return Decision(rule.recipe, f"rules[{index}] (path={rule.path!r}, op={rule.op!r}): {how}")
-  if chosen(dot_filter, dot):
-    return Decision(recipe, f"{filter_name}: chosen")
-  return Decision(None, f"{filter_name}: not chosen" + _cost_note(dot, dot_filter))
-
-
-def _cost_note(dot: LayerInfo, dot_filter) -> str:
-  """Why the default filter says no, in its own terms."""
-  if dot_filter is not default_layer_filter:
-    return ""
-  k, n = dot.k, dot.n
-  if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
-    return f" (K={k}, N={n}: not multiples of {DIM_MULTIPLE})"
-  mean = 2 * k * n / (k + n)
-  return (f" (K={k}, N={n}: harmonic mean {mean:.0f} < break-even {BREAK_EVEN_SIZE}, "
-          "predicted slower than bf16)")
+  fp8 = chosen(dot_filter, dot)
+  verdict = f"{filter_name}: {'chosen' if fp8 else 'not chosen'}"
+  cost_model = cost_model_of(dot_filter)
+  if cost_model is None:
+    return Decision(recipe if fp8 else None, verdict)
+  return Decision(recipe if fp8 else None, f"{verdict} {cost_model.explain(dot)}",
+                  cost_model.times(dot))

@@ -1,11 +1,39 @@
-"""Where FP8 starts to pay for one dense layer, by the cost model: `break_even_size`.
+"""Where FP8 pays for one dense layer, by the cost model: `layer_times`, `break_even_size`.
 
-`predicted_speedup(m, k, n, recipe=...)` compiles one `fp8_dense` layer's forward
-and backward pass (delayed scaling unless a recipe is given) and its bf16 twin
-for an H100 (deviceless by default) and divides their predicted times
-(`fp8jax.lowering.cost`); `break_even_size()` bisects for
-the smallest square layer predicted at least as fast in FP8. The default layer
-filter of `fp8jax.flax.layer_filter` takes its threshold from it.
+A dense layer `x [M, K] @ kernel [K, N]` (a float32 master kernel) costs a train step
+three GEMMs, fprop, dgrad and wgrad, of 2 M K N FLOPs each. In bf16 it also converts
+the kernel to bf16 once; in FP8 (delayed scaling, fp8jax's lean path: `fp8_dense`,
+`Fp8Dense`, the layers `Fp8Model` and `convert_to_fp8` make) it runs the three GEMMs
+at the FP8 rate and pays for them with passes that quantize: the kernel (one pass
+over its float32 master that writes both FP8 layouts, as long as bf16's convert), x
+and the output gradient (each read once, written twice in FP8: as is and transposed),
+and the step's one launch that updates every scale. `layer_times(m, k, n)` predicts
+each of those kernels with `fp8jax.lowering.cost`'s roofline and constants, and
+`break_even_size` finds the smallest square layer that FP8 makes no slower.
+
+The prediction is the cost model's own, only faster: compiled for an H100 without a
+GPU (`compiled_layer_steps`), the FP8 and bf16 steps of one layer differ by exactly
+these kernels (their loss and bias kernels are the same in both), and
+tests/test_layer_filter.py holds `layer_times` to the compiled programs' difference.
+It takes microseconds, so the default layer filter of `fp8jax.flax.layer_filter` asks
+it about every layer of a model.
+
+Launches cost `CostConstants.kernel_overhead_s`, the program's top level: a layer of a
+model whose layers are unrolled (the demo GPT's default, and what XLA does with a
+Python loop over layers). Inside a rolled `nn.scan` / `lax.scan` each launch costs
+`loop_kernel_overhead_s` (3.25 us, not 1.3 us), and FP8's three extra launches move the
+square break-even at 4096 tokens from 1040 to 1296; pass constants with
+`kernel_overhead_s=loop_kernel_overhead_s` to predict that case.
+
+Why all three GEMMs or none (a recipe's `high_precision` can keep some in bf16): a
+GEMM left in high precision takes `fp8_dot_general`'s general path, which keeps the
+unquantized operand for the backward, quantizes with separate amax passes and lets
+XLA place the transposes. Compiled for an H100, such a layer is slower than both its
+bf16 and its all-FP8 step at every shape where one GEMM alone could pay: the FP8
+fprop alone (dgrad and wgrad in bf16) at M x K x N = 8192 x 512 x 2048 predicts
+211.1 us against bf16's 152.4 and all-FP8's 156.5; 8192 x 384 x 1536: 144.0 against
+103.7 and 116.1; 32768 x 512 x 2048: 746.3 against 552.3 and 555.8; the FP8 dgrad
+alone at 8192 x 2048 x 512: 172.1 against 105.6 and 109.7 (whole one-layer steps).
 """
 from __future__ import annotations
 
@@ -14,38 +42,147 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fp8jax.lowering.cost import compare, cost
+from fp8jax.lowering.cost import CostConstants, CostReport, compare, cost
 from fp8jax.lowering.example import bf16_mlp_loss, mlp_loss
 from fp8jax.core.meta import init_dot_meta
-from fp8jax.core.recipes import DelayedScaling
+from fp8jax.core.recipes import GEMMS, DelayedScaling
+from fp8jax.core.validation import check_int
 from fp8jax.step.training import value_and_grad
 
-# cuBLASLt's FP8 GEMM wants dims in multiples of 16; the search steps by it.
+#: cuBLASLt's FP8 GEMM wants dims in multiples of 16; the search steps by it.
 DIM_MULTIPLE = 16
+#: The tokens M of a layer's GEMMs (rows of x per device and step) that the default layer
+#: filter decides at, since a model is initialized before it sees a training batch.
+#: FP8's extra launches are fixed while what its GEMMs save and what its casts of x and
+#: the gradient cost grow with M, so a layer predicted to gain at 4096 tokens gains at
+#: every larger step too (tests/test_layer_filter.py checks it over a grid of K and N):
+#: 2 x 2048, 4 x 1024, 8 x 1024 (the demo GPT's 350m). Below 4096 tokens some layers it
+#: chooses are slower in FP8.
+DECISION_TOKENS = 4096
+_FP8, _BF16 = "f8e4m3fn", "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
-class BreakEven:
-  """The result of `break_even_size`.
+class LayerTimes:
+  """The predicted seconds one dense layer adds to a train step, kernel by kernel.
 
   Attributes:
-    size: the smallest side (a multiple of `multiple`) predicted at least as fast in FP8.
-    speedups: the predicted FP8 speedup at every side the search compiled.
+    m, k, n: x is [m, k], the kernel [k, n].
+    bf16: {"weight": the kernel's f32 -> bf16 convert, "fprop", "dgrad", "wgrad": the
+      bf16 GEMMs}.
+    fp8: {"weight", "x", "grad": the casts of the kernel (from its f32 master), x and
+      the output gradient, "scale_update": the step's one update of every scale
+      (charged to each layer: a model with one FP8 layer pays all of it), "fprop",
+      "dgrad", "wgrad": the FP8 GEMMs}.
   """
 
-  size: int
-  speedups: dict
+  m: int
+  k: int
+  n: int
+  bf16: dict
+  fp8: dict
+
+  @property
+  def bf16_s(self) -> float:
+    return sum(self.bf16.values())
+
+  @property
+  def fp8_s(self) -> float:
+    return sum(self.fp8.values())
+
+  @property
+  def speedup(self) -> float:
+    """bf16 time / FP8 time (> 1: FP8 is faster)."""
+    return self.bf16_s / self.fp8_s
+
+  @property
+  def fp8_pays(self) -> bool:
+    """Whether FP8 is predicted no slower than bf16."""
+    return self.fp8_s <= self.bf16_s
 
 
-def predicted_speedup(m: int, k: int, n: int, constants=None,
-                      target: str = "deviceless", recipe=None) -> float:
-  """Predicted bf16 time / FP8 time of one dense layer's forward and backward pass.
+def layer_times(m: int, k: int, n: int, constants: CostConstants | None = None) -> LayerTimes:
+  """The kernels one dense layer adds to a train step, in bf16 and in FP8, predicted.
 
-  The FP8 step is `fp8jax.value_and_grad` over the built-in example's
-  `mlp_loss` with one `fp8_dense` layer; the bf16 twin is `jax.value_and_grad`
-  over its `bf16_mlp_loss` (`fp8jax.lowering.example`). The input x is
-  differentiated too, so both steps have the fprop, dgrad and wgrad GEMMs of a
-  layer inside a model.
+  Each kernel is `constants.kernel_time(flops, bytes)` (see `fp8jax.lowering.cost`):
+
+  * bf16: convert the kernel (4 K N bytes read, 2 K N written); fprop, dgrad, wgrad
+    read two bf16 operands and write a bf16 result, 2 M K N FLOPs each.
+  * FP8: cast the kernel (4 K N read; 2 K N written: both layouts), x (2 M K read,
+    2 M K written) and the output gradient (2 M N, 2 M N); one scale update (a launch);
+    the GEMMs read FP8 operands (1 byte an element) and write bf16.
+
+  What both steps share (the layer's input, bias and the optimizer's f32 gradient) is
+  left out: `fp8_s - bf16_s` is what FP8 changes.
+
+  Args:
+    m, k, n: x [m, k], kernel [k, n] (positive ints).
+    constants: `CostConstants` (default: the H100 SXM ones).
+
+  Returns:
+    A `LayerTimes`.
+  """
+  for name, value in (("m", m), ("k", k), ("n", n)):
+    check_int(name, value, minimum=1)
+  if constants is not None and not isinstance(constants, CostConstants):
+    raise TypeError(f"constants must be a fp8jax.lowering.CostConstants (or None for the "
+                    f"H100 defaults), got {type(constants).__name__}.")
+  c = constants or CostConstants()
+  flops = 2 * m * k * n
+  # (rows, contracted, columns) of each GEMM's operands [rows, contracted] x [contracted,
+  # columns] -> [rows, columns].
+  shapes = {"fprop": (m, k, n), "dgrad": (m, n, k), "wgrad": (k, m, n)}
+
+  def gemm(shape, itemsize, dtype):
+    rows, inner, cols = shape
+    return c.kernel_time(flops, itemsize * (rows * inner + inner * cols) + 2 * rows * cols,
+                         dtype)
+
+  bf16 = {"weight": c.kernel_time(0, 6 * k * n)}
+  bf16.update({g: gemm(shapes[g], 2, _BF16) for g in GEMMS})
+  fp8 = {"weight": c.kernel_time(0, 6 * k * n), "x": c.kernel_time(0, 4 * m * k),
+         "grad": c.kernel_time(0, 4 * m * n), "scale_update": c.kernel_time(0, 0)}
+  fp8.update({g: gemm(shapes[g], 1, _FP8) for g in GEMMS})
+  return LayerTimes(m=m, k=k, n=n, bf16=bf16, fp8=fp8)
+
+
+def break_even_size(tokens: int | None = DECISION_TOKENS,
+                    constants: CostConstants | None = None, high: int = 65536) -> int:
+  """The smallest square layer side n (a multiple of 16) that FP8 makes no slower.
+
+  `layer_times(tokens, n, n, constants).fp8_pays`, searched over n = 16, 32, ...;
+  `tokens=None` takes M = n (a square GEMM, x as large as the kernel).
+  `break_even_size()` is `fp8jax.flax.layer_filter.BREAK_EVEN_SIZE`.
+
+  Args:
+    tokens: M, the rows of x (default `DECISION_TOKENS`), or None for M = n.
+    constants: `CostConstants` (default: the H100 SXM ones).
+    high: the largest side tried.
+
+  Returns:
+    The side n.
+
+  Raises:
+    ValueError: FP8 does not pay at any side up to `high`.
+  """
+  if tokens is not None:
+    check_int("tokens", tokens, minimum=1)
+  check_int("high", high, minimum=DIM_MULTIPLE)
+  for side in range(DIM_MULTIPLE, high + 1, DIM_MULTIPLE):
+    if layer_times(side if tokens is None else tokens, side, side, constants).fp8_pays:
+      return side
+  raise ValueError(f"FP8 is not predicted to pay for any square layer up to n={high} at "
+                   f"tokens={tokens}; search up to a larger high.")
+
+
+def compiled_layer_steps(m: int, k: int, n: int, constants=None, target: str = "deviceless",
+                         recipe=None) -> tuple[CostReport, CostReport]:
+  """(FP8, bf16): the cost reports of one dense layer's forward and backward pass, compiled.
+
+  The FP8 step is `fp8jax.value_and_grad` over the built-in example's `mlp_loss` with
+  one `fp8_dense` layer; the bf16 twin is `jax.value_and_grad` over its `bf16_mlp_loss`
+  (`fp8jax.lowering.example`). The input x is differentiated too, so both steps have
+  the fprop, dgrad and wgrad GEMMs of a layer inside a model.
 
   Args:
     m, k, n: x is bf16 [m, k], the kernel float32 [k, n] (with a bias [n]).
@@ -54,7 +191,7 @@ def predicted_speedup(m: int, k: int, n: int, constants=None,
     recipe: the FP8 layer's scaling recipe (default `DelayedScaling()`).
 
   Returns:
-    The predicted speedup (> 1: FP8 is faster).
+    The two `CostReport`s.
   """
   recipe = DelayedScaling() if recipe is None else recipe
   def fp8_layer_step(params, fp8_state, y):
@@ -72,47 +209,20 @@ def predicted_speedup(m: int, k: int, n: int, constants=None,
   fp8_state = jax.eval_shape(lambda: [init_dot_meta(recipe)])
   fp8 = cost(fp8_layer_step, params, fp8_state, y, target=target, constants=constants)
   bf16 = cost(bf16_layer_step, params, [], y, target=target, constants=constants)
-  return compare(fp8, bf16).speedup
+  return fp8, bf16
 
 
-def break_even_size(low: int = DIM_MULTIPLE, high: int = 8192, multiple: int = DIM_MULTIPLE,
-                    constants=None, target: str = "deviceless") -> BreakEven:
-  """The smallest square layer side n in [low, high] with predicted FP8 time <= bf16 time.
+def predicted_speedup(m: int, k: int, n: int, constants=None,
+                      target: str = "deviceless", recipe=None) -> float:
+  """Predicted bf16 time / FP8 time of one dense layer's compiled forward and backward pass.
 
-  Bisects over multiples of `multiple`, with M = K = N = n in `predicted_speedup`
-  (two compiles per side tried), assuming the speedup grows with n.
-  `break_even_size()` gives `fp8jax.flax.layer_filter.BREAK_EVEN_SIZE`.
+  The whole programs of `compiled_layer_steps` (their loss and bias kernels included,
+  which `layer_times` leaves out).
 
   Args:
-    low, high: the sides to search between (multiples of `multiple`).
-    multiple: the step of the search.
-    constants, target: as for `predicted_speedup`.
+    m, k, n, constants, target, recipe: as for `compiled_layer_steps`.
 
   Returns:
-    A `BreakEven` with the size and the speedup at every side compiled.
+    The predicted speedup (> 1: FP8 is faster).
   """
-  for name, value in (("low", low), ("high", high), ("multiple", multiple)):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-      raise ValueError(f"{name}={value!r} must be a positive integer.")
-  if low % multiple or high % multiple or low > high:
-    raise ValueError(f"low={low} and high={high} must be multiples of multiple={multiple} "
-                     "with low <= high.")
-  speedups = {}
-
-  def gains(side):
-    speedups[side] = predicted_speedup(side, side, side, constants, target)
-    return speedups[side] >= 1.0
-
-  if not gains(high):
-    raise ValueError(f"FP8 is not predicted to gain even at n={high} "
-                     f"(speedup {speedups[high]:.3f}); search up to a larger high.")
-  if gains(low):
-    return BreakEven(low, speedups)
-  lo, hi = low // multiple, high // multiple  # gains(lo * multiple) is False, gains(hi * ...) True
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    if gains(mid * multiple):
-      hi = mid
-    else:
-      lo = mid
-  return BreakEven(hi * multiple, speedups)
+  return compare(*compiled_layer_steps(m, k, n, constants, target, recipe)).speedup

@@ -13,13 +13,17 @@ kernel the GPU would launch, in program order:
 
 Each kernel's time is a roofline plus a fixed cost per launch:
 
-    t = max(flops / gemm_rate(dtype), (bytes_in + bytes_out) / hbm_bandwidth) + kernel_overhead
+    t = max(flops / gemm_rate(dtype), (bytes_in + bytes_out) / hbm_bandwidth) + overhead
 
 and the program's time is the sum (kernels of one program run one after another
-on one stream). A `while` body counts as many times as its trip count (XLA's
-`known_trip_count`; with a known count the GPU runtime never runs the loop's
-condition). A loop of unknown count is counted as one iteration: its body once,
-its condition twice. Of a `conditional`, the costliest branch counts. The
+on one stream). The fixed cost is `kernel_overhead` for a kernel of the program's
+top level and `loop_kernel_overhead` for one inside a `while` loop, whose kernels
+the GPU runtime launches one by one, iteration after iteration (the demo GPT's
+steps on an H200 cost about 3 us per launch in their layer loop, against 1.3 us
+in the dense layer's program). A `while` body counts as many times as its trip
+count (XLA's `known_trip_count`; with a known count the GPU runtime never runs the
+loop's condition). A loop of unknown count is counted as one iteration: its body
+once, its condition twice. Of a `conditional`, the costliest branch counts. The
 constants are `CostConstants`; override any of them for another chip or to match
 your own measurements (`python -m benchmarks.roofline` measures them on a GPU).
 
@@ -62,6 +66,10 @@ _COLLECTIVES = {"all-reduce", "all-reduce-start", "all-gather", "all-gather-star
                 "reduce-scatter", "all-to-all", "collective-permute", "collective-permute-start",
                 "send", "recv"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
+# Element-by-element ops: a fusion computes them only for the elements its results need.
+_ELEMENTWISE = {"convert", "negate", "abs", "exponential", "log", "sqrt", "rsqrt", "tanh",
+                "logistic", "multiply", "add", "subtract", "divide", "maximum", "minimum",
+                "clamp", "sign", "copy"}
 _KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu", "triton_kernel_call",
                         "__gpu$xla.gpu.mosaic")
 
@@ -79,8 +87,11 @@ class CostConstants:
     bf16_gemm_flops_per_s: bf16 / f16 GEMM rate.
     f32_gemm_flops_per_s: f32 GEMM rate (XLA's default precision on Hopper uses TF32).
     hbm_bytes_per_s: device memory bandwidth, bytes read + written per second.
-    kernel_overhead_s: fixed cost per kernel launch: the time of a kernel that
-      moves almost nothing plus the gap the GPU leaves before the next one.
+    kernel_overhead_s: fixed cost per kernel launch at the program's top level: the
+      time of a kernel that moves almost nothing plus the gap the GPU leaves before
+      the next one.
+    loop_kernel_overhead_s: the same for a kernel inside a `while` loop (a layer scan),
+      which the GPU runtime launches one at a time, iteration after iteration.
     link_bytes_per_s: what one GPU sends (and receives) per second to the others
       of its host in a collective: NVLink 4 on an H100 SXM, 450 GB/s each way
       (datasheet; not measured here). A collective costs its launch plus the
@@ -88,10 +99,10 @@ class CostConstants:
       all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a
       reduce-scatter (n-1)/n of the whole buffer), with no overlap with compute.
 
-  The defaults are calibrated to whole train steps measured on an H100 80GB HBM3
-  (SXM), jax 0.11.2: `fp8_dense` forward+backward and its bf16 twin at M = K = N =
-  2048, 4096 and 8192 (benchmarks/results/h100_dense.json, wall clock of back-to-back
-  steps; h100_dense_device_time.json, a profiler trace kernel by kernel).
+  The defaults are calibrated to train steps measured on an H100 80GB HBM3 (SXM), jax
+  0.11.2: `fp8_dense` forward+backward and its bf16 twin at M = K = N = 2048, 4096 and
+  8192 (benchmarks/results/h100_dense.json, wall clock of back-to-back steps;
+  h100_dense_device_time.json, a profiler trace kernel by kernel).
   tests/test_cost_calibration.py derives each one from those files again:
 
   * kernel_overhead_s 1.3 us: in the traces, the kernels that move almost nothing
@@ -107,6 +118,11 @@ class CostConstants:
   * fp8_gemm_flops_per_s 1330 TFLOP/s: the delayed-scaling FP8 step at 8192 (2.79
     ms per step) less its casts and launches, over its three GEMMs (the trace:
     1512 TFLOP/s for a single GEMM; datasheet peaks are 1979 and 989).
+  * loop_kernel_overhead_s 3.25 us: the launch cost that, with the bandwidth, makes the
+    whole steps of the demo GPT (350m, its 24 layers in a loop, bf16 and FP8) come out
+    as measured on an H200 (`H200`; tests/test_step_calibration.py fits both from
+    benchmarks/results/h200_gpu_check/). The launches are the runtime's, the same on
+    both chips; an H100's own whole steps have not been measured yet.
 
   The 2048 steps' wall clock is the host's dispatch (about 200 us per call, whatever
   the kernels); there the device trace (80 us bf16, 96 us current scaling) is what
@@ -119,6 +135,7 @@ class CostConstants:
   f32_gemm_flops_per_s: float = 400e12
   hbm_bytes_per_s: float = 2.7e12
   kernel_overhead_s: float = 1.3e-6
+  loop_kernel_overhead_s: float = 3.25e-6
   link_bytes_per_s: float = 450e9
 
   def __post_init__(self):
@@ -136,16 +153,38 @@ class CostConstants:
       return self.bf16_gemm_flops_per_s
     return self.f32_gemm_flops_per_s
 
-  def kernel_time(self, flops: float, nbytes: float, gemm_dtype: str = "") -> float:
-    """Seconds of one launch: `max(flops / gemm_rate, nbytes / hbm) + kernel_overhead`.
+  def launch_overhead(self, in_loop: bool = False) -> float:
+    """The fixed seconds of one launch: at the top level, or inside a `while` loop."""
+    return self.loop_kernel_overhead_s if in_loop else self.kernel_overhead_s
+
+  def kernel_time(self, flops: float, nbytes: float, gemm_dtype: str = "",
+                  in_loop: bool = False) -> float:
+    """Seconds of one launch: `max(flops / gemm_rate, nbytes / hbm) + launch_overhead`.
 
     Args:
       flops: GEMM FLOPs (0 for other kernels).
       nbytes: bytes read plus bytes written.
       gemm_dtype: the GEMM's operand dtype (an XLA dtype name), for its rate.
+      in_loop: whether the kernel runs inside a `while` loop.
     """
     compute = flops / self.gemm_rate(gemm_dtype) if flops else 0.0
-    return max(compute, nbytes / self.hbm_bytes_per_s) + self.kernel_overhead_s
+    return max(compute, nbytes / self.hbm_bytes_per_s) + self.launch_overhead(in_loop)
+
+
+# An H200 (141 GB HBM3e; the same Hopper chip as the H100 SXM with faster memory),
+# calibrated on the measurements in benchmarks/results/h200_gpu_check/ (jax 0.11.2):
+# the GEMM rates from `fp8_dense` at 8192 (the H100's derivation, tests/
+# test_cost_calibration.py), the bandwidth and the launch cost inside a loop from the
+# demo GPT's whole train steps (350m, bf16 and FP8 delayed scaling, fp8jax's Hopper
+# attention kernel, which a compile without a GPU can build): tests/
+# test_step_calibration.py derives each of them again. The top-level launch cost is
+# the H100's (not measured on the H200).
+H200 = CostConstants(fp8_gemm_flops_per_s=1.3e15, bf16_gemm_flops_per_s=690e12,
+                     hbm_bytes_per_s=4.0e12, loop_kernel_overhead_s=3.25e-6)
+
+# The chips `fp8jax cost --chip` predicts for: a compile for the H100 (sm_90a) is the
+# H200's program too, run at the H200's constants.
+CHIP_CONSTANTS = {"h100": CostConstants(), "h200": H200}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +205,8 @@ class KernelCost:
     grouped_kernel: for a grouped GEMM (MoE experts), which kernel it is
       ('ragged_matmul', 'transposed_ragged_matmul', 'ragged_dot_mgpu',
       'transposed_ragged_dot_mgpu'); '' for every other kernel.
+    in_loop: whether it runs inside a `while` loop (its launches then cost
+      `CostConstants.loop_kernel_overhead_s` each).
   """
 
   name: str
@@ -178,6 +219,7 @@ class KernelCost:
   time_s: float
   op_name: str
   grouped_kernel: str = ""
+  in_loop: bool = False
 
   @property
   def is_gemm(self) -> bool:
@@ -207,7 +249,7 @@ class CostReport:
   @property
   def link_time_s(self) -> float:
     """The part of `time_s` spent sending collectives' bytes over NVLink."""
-    return sum(k.time_s - self.constants.kernel_overhead_s * k.launches
+    return sum(k.time_s - self.constants.launch_overhead(k.in_loop) * k.launches
                for k in self.kernels if k.category == "collective")
 
   @property
@@ -289,10 +331,12 @@ class CostComparison:
 
   def __str__(self) -> str:
     rows = [self.baseline.summary(), self.program.summary()]
-    header = f"{'program':<24} {'kernels':>8} {'GEMMs':>6} {'other':>6} {'MB moved':>10} {'us':>10}"
+    width = max(24, *(len(row["label"]) for row in rows))  # labels whole, never cut
+    header = (f"{'program':<{width}} {'kernels':>8} {'GEMMs':>6} {'other':>6} {'MB moved':>10} "
+              f"{'us':>10}")
     lines = [header, "-" * len(header)]
     for row in rows:
-      lines.append(f"{row['label'][:24]:<24} {row['kernel_launches']:>8} {row['gemm_launches']:>6} "
+      lines.append(f"{row['label']:<{width}} {row['kernel_launches']:>8} {row['gemm_launches']:>6} "
                    f"{row['non_gemm_launches']:>6} {row['bytes'] / 1e6:>10.1f} "
                    f"{row['predicted_time_s'] * 1e6:>10.1f}")
     if self.program.link_time_s or self.baseline.link_time_s:
@@ -386,7 +430,7 @@ def _check_constants(constants) -> None:
 
 
 def _collect(module: HloModule, computation: Computation, launches: int,
-             constants: CostConstants, out: list) -> None:
+             constants: CostConstants, out: list, in_loop: bool = False) -> None:
   for instr in computation.instructions.values():
     op = instr.opcode
     if op in _NO_KERNEL:
@@ -401,20 +445,20 @@ def _collect(module: HloModule, computation: Computation, launches: int,
       for key, count in repeats.items():
         callee = module.computations.get(instr.attributes.get(key, "").lstrip("%"))
         if callee is not None and count:
-          _collect(module, callee, launches * count, constants, out)
+          _collect(module, callee, launches * count, constants, out, in_loop=True)
       continue
     if op == "call":
       callee = module.called(instr)
       if callee is not None:
-        _collect(module, callee, launches, constants, out)
+        _collect(module, callee, launches, constants, out, in_loop)
       continue
     if op == "conditional":
-      _collect_costliest_branch(module, instr, launches, constants, out)
+      _collect_costliest_branch(module, instr, launches, constants, out, in_loop)
       continue
-    out.append(_kernel(module, instr, launches, constants))
+    out.append(_kernel(module, instr, launches, constants, in_loop))
 
 
-def _collect_costliest_branch(module, instr, launches, constants, out) -> None:
+def _collect_costliest_branch(module, instr, launches, constants, out, in_loop) -> None:
   best: list = []
   raw = instr.attributes.get("branch_computations", "")
   names = [n.strip().lstrip("%") for n in raw.strip("{}").split(",") if n.strip()]
@@ -423,7 +467,7 @@ def _collect_costliest_branch(module, instr, launches, constants, out) -> None:
   for name in names:
     if name in module.computations:
       branch: list = []
-      _collect(module, module.computations[name], launches, constants, branch)
+      _collect(module, module.computations[name], launches, constants, branch, in_loop)
       if sum(k.time_s for k in branch) >= sum(k.time_s for k in best):
         best = branch
   out.extend(best)
@@ -441,7 +485,7 @@ def _trip_count(instr: Instruction) -> int | None:
 
 
 def _kernel(module: HloModule, instr: Instruction, launches: int,
-            constants: CostConstants) -> KernelCost:
+            constants: CostConstants, in_loop: bool) -> KernelCost:
   grouped = grouped_gemm(module, instr)
   if grouped is not None:
     category, gemm_dtype, flops = "gemm", grouped.dtype, grouped.flops
@@ -449,13 +493,15 @@ def _kernel(module: HloModule, instr: Instruction, launches: int,
     category, gemm_dtype, flops = _classify(module, instr)
   bytes_in, bytes_out = _traffic(module, instr, category)
   if category == "collective":
-    seconds = constants.kernel_overhead_s + _link_bytes(instr) / constants.link_bytes_per_s
+    seconds = (constants.launch_overhead(in_loop)
+               + _link_bytes(instr) / constants.link_bytes_per_s)
   else:
-    seconds = constants.kernel_time(flops, bytes_in + bytes_out, gemm_dtype)
+    seconds = constants.kernel_time(flops, bytes_in + bytes_out, gemm_dtype, in_loop)
   return KernelCost(name=instr.name, category=category, gemm_dtype=gemm_dtype,
                     bytes_in=int(bytes_in), bytes_out=int(bytes_out), flops=int(flops),
                     launches=launches, time_s=seconds * launches, op_name=instr.op_name,
-                    grouped_kernel=grouped.kernel if grouped is not None else "")
+                    grouped_kernel=grouped.kernel if grouped is not None else "",
+                    in_loop=in_loop)
 
 
 def _link_bytes(instr: Instruction) -> float:
@@ -591,7 +637,14 @@ def _traffic(module: HloModule, instr: Instruction, category: str) -> tuple[floa
 
 def _read_bytes(computation: Computation, name: str, whole: float, in_place: set) -> float:
   """Bytes a fusion reads of its value `name` (a parameter): the slices it takes,
-  nothing for the buffer of an in-place dynamic-update-slice, else all of it."""
+  nothing for the buffer of an in-place dynamic-update-slice, else all of it.
+
+  A fusion computes each element of its results from the elements they need, so a
+  slice behind an elementwise op (a `convert` of a whole stacked weight, then one
+  layer's slice of it) reads only the sliced part too. The fusion's result is
+  written whole, so a value that is its root is read whole."""
+  if name == computation.root:
+    return whole
   total = 0.0
   for user in computation.instructions.values():
     if name not in user.operands:
@@ -600,13 +653,36 @@ def _read_bytes(computation: Computation, name: str, whole: float, in_place: set
       if name in user.operands[1:]:
         return whole  # also the update or an index: read
       continue
-    if user.opcode == "bitcast":  # a view: follow it
+    if user.opcode == "bitcast" or _elementwise_of(computation, user, name):
+      # A view, or the same elements transformed: follow it.
       total += _read_bytes(computation, user.name, whole, in_place)
     elif user.opcode in _SLICING and user.operands[0] == name and name not in user.operands[1:]:
-      total += _nbytes(user.shape)
+      total += whole * _fraction(user.shape, _shape_in(computation, name))
     else:
       return whole
   return min(total, whole)
+
+
+def _elementwise_of(computation: Computation, user: Instruction, name: str) -> bool:
+  """Whether `user` maps `name` element by element to a result of the same shape (its
+  other operands scalars or constants), so it needs the elements its users need."""
+  if user.opcode not in _ELEMENTWISE or user.shape is None:
+    return False
+  source = _shape_in(computation, name)
+  if source is None or tuple(source.dims) != tuple(user.shape.dims):
+    return False
+  for other in user.operands:
+    shape = _shape_in(computation, other)
+    if other != name and (shape is None or math.prod(shape.dims) != 1):
+      return False
+  return True
+
+
+def _fraction(part: ArrayShape | None, whole: ArrayShape | None) -> float:
+  """Elements of `part` over elements of `whole` (1 where either is unknown)."""
+  if part is None or whole is None or not math.prod(whole.dims):
+    return 1.0
+  return min(math.prod(part.dims) / math.prod(whole.dims), 1.0)
 
 
 def _parameter_behind(computation: Computation, name: str) -> int | None:

@@ -57,7 +57,9 @@ def find_gemms(module: HloModule, ptx_mma: dict[str, tuple[str, ...]] | None = N
     for instr in module.computations[computation_name].instructions.values():
       gemm = _as_gemm(module, instr, stack, ptx_mma or {})
       if gemm is not None:
-        gemms.append(gemm)
+        # Where it is used: the roles come from the call path (`Gemm.role`).
+        gemms.append(dataclasses.replace(
+            gemm, caller_op_names=tuple(caller.op_name for caller in stack)))
         continue
       callee = module.called(instr) if instr.opcode in ("fusion", "call", "while",
                                                         "conditional") else None

@@ -9,9 +9,9 @@ from fp8jax.lowering.hlo_text import parse_hlo_module
 from fp8jax.lowering.ptx import mma_by_kernel
 from fp8jax.lowering.report import LoweringReport
 
-# XLA options under which every fp8jax GEMM is a cuBLASLt FP8 GEMM. With Triton
-# GEMMs enabled, XLA may give an FP8 dot to a Triton kernel instead (see the
-# package docstring for what that kernel does with FP8 operands).
+#: XLA options under which every fp8jax GEMM is a cuBLASLt FP8 GEMM. With Triton
+#: GEMMs enabled, XLA may give an FP8 dot to a Triton kernel instead (see the
+#: package docstring for what that kernel does with FP8 operands).
 CUBLAS_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 

@@ -28,6 +28,9 @@ from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
 
 GIB = 2**30
 H100_MEMORY = 80 * GIB
+# Each chip's device memory (`fp8jax cost --chip`), as NVIDIA states it: 80 and 141 GB
+# (read here, as for the H100 until now, as GiB).
+CHIP_MEMORY = {"h100": H100_MEMORY, "h200": 141 * GIB}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 

@@ -17,6 +17,17 @@ def is_fp8(dtype: str) -> bool:
   return dtype in FP8_DTYPES
 
 
+GEMM_ROLES = ("fprop", "dgrad", "wgrad")
+
+
+def role_in(op_name: str) -> str:
+  """The GEMM role ('fprop', 'dgrad', 'wgrad') whose fp8jax scope (`fp8_<role>`,
+  `fp8_grouped_<role>`) an op_name holds innermost, or ''."""
+  found = [(op_name.rfind(scope), role) for role in GEMM_ROLES
+           for scope in (f"fp8_{role}", f"fp8_grouped_{role}") if scope in op_name]
+  return max(found)[1] if found else ""
+
+
 class GemmKind(str, enum.Enum):
   """How XLA lowered one GEMM."""
 
@@ -131,6 +142,8 @@ class Gemm:
       empty when there is no PTX (cuBLAS is a library) or it was not collected.
     runs_in_fp8: whether this GEMM is shown to run on FP8 tensor cores.
     why_not_fp8: for a GEMM that does not, the reason in words ('' otherwise).
+    caller_op_names: the op_names of the instructions that call the computation holding
+      it (loops, conditionals, calls, fusions), outermost first; () in the entry.
   """
 
   name: str
@@ -143,6 +156,7 @@ class Gemm:
   ptx_mma: tuple[str, ...]
   runs_in_fp8: bool
   why_not_fp8: str
+  caller_op_names: tuple[str, ...] = ()
 
   @property
   def operand_dtypes(self) -> tuple[str, str]:
@@ -154,8 +168,15 @@ class Gemm:
 
   @property
   def is_backward(self) -> bool:
-    """True for a GEMM of the backward pass (JAX names those 'transpose(jvp(...))')."""
-    return "transpose(" in self.op_name
+    """True for a GEMM of the backward pass (JAX names those 'transpose(jvp(...))'), read
+    where it is used, as `role` is: the outermost op_name on its call path that names a
+    pass ('transpose(' or 'jvp(')."""
+    for op_name in self.caller_op_names + (self.op_name,):
+      if "transpose(" in op_name:
+        return True
+      if "jvp(" in op_name:
+        return False
+    return False
 
   @property
   def transposes(self) -> tuple[Transpose, ...]:
@@ -163,10 +184,20 @@ class Gemm:
 
   @property
   def role(self) -> str:
-    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs (named scopes in fp8jax.ops.dot and
-    fp8jax.ops.ragged_dot), else 'forward' / 'backward' from JAX's own naming."""
-    for role in ("fprop", "dgrad", "wgrad"):
-      if f"fp8_{role}" in self.op_name or f"fp8_grouped_{role}" in self.op_name:
+    """'fprop', 'dgrad' or 'wgrad' for fp8jax's GEMMs, else 'forward' / 'backward' from
+    JAX's own naming.
+
+    fp8jax's ops name their GEMMs' scopes (fp8jax.ops.dot, fp8jax.ops.ragged_dot). The
+    role is read where the GEMM is used: from the outermost instruction on its call path
+    that names one (a loop, a conditional), else from its own op_name. A loop body's own
+    names can be another use's: JAX lowers a function it has lowered before (the per-tile
+    body of `fp8_ragged_dot`'s jnp twin, the same for fprop and dgrad when K == N) once,
+    with the names of its first use, and XLA keeps them, while each loop that runs it is
+    lowered, and named, where it runs.
+    """
+    for op_name in self.caller_op_names + (self.op_name,):
+      role = role_in(op_name)
+      if role:
         return role
     return "backward" if self.is_backward else "forward"
 

@@ -53,14 +53,21 @@ from fp8jax.core.quantize import max_by_bits
 OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
 
 
-def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
+def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
+                row_limit: int | None = None) -> Callable:
   """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
 
   Args:
-    kernel: a function of a 2-D array and replicated float32 operands (scalars, or
-      vectors such as an earlier kernel's tile maxima) returning a tuple, output i
+    kernel: a function of a 2-D array (of `tensors` 2-D arrays of one shape, sharded
+      alike: `kernel(t, *others, *scalars)`) and replicated float32 operands (scalars,
+      or vectors such as an earlier kernel's tile maxima) returning a tuple, output i
       of kind `outputs[i]` (see the module docstring).
     outputs: one of OUTPUT_KINDS per output.
+    tensors: how many leading operands are such 2-D arrays.
+    row_limit: the position among `scalars` of an int32[] that counts the leading rows
+      of the whole `t` in use (a grouped GEMM's rows within its groups), or None. Where
+      `t`'s rows are split, each device's kernel gets the count of its own shard's rows
+      (the whole count less the rows of the shards before it; negative: none).
   """
   outputs = tuple(outputs)
   unknown = [kind for kind in outputs if kind not in OUTPUT_KINDS]
@@ -70,29 +77,37 @@ def shard_local(kernel: Callable, outputs: Sequence[str]) -> Callable:
   @functools.lru_cache(maxsize=None)
   def partitioned_for(ranks: tuple):
     @custom_partitioning
-    def partitioned(t, *scalars):
-      return tuple(kernel(t, *scalars))
+    def partitioned(*operands):
+      return tuple(kernel(*operands))
 
     def partition(mesh, arg_shapes, result_shape):
       t_spec = _divisible_spec(mesh, arg_shapes[0])
       split_over = tuple(name for entry in t_spec for name in axis_names(entry))
 
-      def lower_fn(t, *scalars):
-        return global_amaxes(kernel(t, *scalars), outputs, split_over, result_shape)
+      row_axes = axis_names(t_spec[0])
+
+      def lower_fn(*operands):
+        if row_limit is not None and row_axes:
+          operands = list(operands)
+          at = tensors + row_limit
+          operands[at] = operands[at] - jax.lax.axis_index(row_axes) * operands[0].shape[0]
+        return global_amaxes(kernel(*operands), outputs, split_over, result_shape)
 
       replicated = NamedSharding(mesh, PartitionSpec())
-      arg_shardings = (NamedSharding(mesh, t_spec),) + (replicated,) * len(ranks)
+      arg_shardings = ((NamedSharding(mesh, t_spec),) * tensors
+                       + (replicated,) * len(ranks))
       return mesh, lower_fn, _result_shardings(mesh, t_spec, outputs), arg_shardings
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
       return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0]), outputs)
 
     return define_rules(partitioned, partition, infer_sharding_from_operands,
-                        _sharding_rule(ranks, outputs))
+                        _sharding_rule(ranks, outputs, tensors))
 
   @functools.wraps(kernel)
-  def call(t, *scalars):
-    return partitioned_for(tuple(jnp.ndim(s) for s in scalars))(t, *scalars)
+  def call(*operands):
+    scalars = operands[tensors:]
+    return partitioned_for(tuple(jnp.ndim(s) for s in scalars))(*operands)
 
   return call
 
@@ -132,11 +147,13 @@ def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
   return vmappable
 
 
-def _sharding_rule(ranks: tuple, outputs) -> str:
-  """Shardy's einsum-like rule: t is `r c`, scalars (operands and outputs) are rank 0,
-  each vector operand and output a factor of its own (replicated in `partition`)."""
+def _sharding_rule(ranks: tuple, outputs, tensors: int = 1) -> str:
+  """Shardy's einsum-like rule: t (and each tensor sharded alike) is `r c`, scalars
+  (operands and outputs) are rank 0, each vector operand and output a factor of its own
+  (replicated in `partition`)."""
   layout = {"same": "r c", "transposed": "c r", "amax": "", "scalar": ""}
-  operands = ", ".join(["r c"] + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
+  operands = ", ".join(["r c"] * tensors
+                       + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
   results = ", ".join(layout.get(kind, f"w{i}") for i, kind in enumerate(outputs))
   return f"{operands} -> {results}"
 

@@ -11,19 +11,23 @@ Architecture (pre-norm, GPT-2 shaped, no biases, no learned positions):
 
     x = embed[tokens]                                          # bf16 [B, S, d]
     for each of n_layers blocks (nn.scan, one stacked set of params and FP8 state):
-      x = x + out(attention(rope(q(h)), rope(k(h)), v(h), causal))   h = rms_norm(x)
+      q, k, v = qkv(h)                                               h = rms_norm(x)
+      x = x + out(attention(rope(q), rope(k), v, causal))
       x = x + down(gelu(up(h)))                                      h = rms_norm(x)
     logits = rms_norm(x) @ embed^T                             # float32 [B, S, 256]
 
 `rms_norm(x) = x / sqrt(mean(x**2) + eps) * scale`, computed in float32 (a
-learned `scale` per feature). The MLP width is d_ff = 4 d and its GELU is the
-tanh approximation (with `GptConfig.experts` = E, a dropless mixture of E such
+learned `scale` per feature). q, k and v are one projection of h (`qkv`, its kernel
+[d, heads, 3, head_dim]): one GEMM, and in FP8 one cast of h and of the kernel. The
+norms and the GELU are fp8jax's (`fp8jax.ops.rms_norm`, `fp8jax.ops.gelu`), whose
+backward keeps their input alone (autodiff keeps float32 intermediates). The MLP width
+is d_ff = 4 d and its GELU is the tanh approximation (with `GptConfig.experts` = E, a dropless mixture of E such
 MLPs, each token routed to `top_k` of them: `fp8jax.models.gpt_moe`). The output
 projection is tied to the input embedding: the embedding table [256, d] is its
 kernel. Parameters are float32; activations, the residual stream included, are
 bfloat16.
 
-FP8 (`recipe` given): the q, k, v and attention-output projections are
+FP8 (`recipe` given): the qkv and attention-output projections are
 `fp8jax.flax.linen.Fp8DenseGeneral`, the MLP's two are `Fp8Dense`, the tied
 output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
 `DotMeta`, and attention is `fp8jax.fp8_attention` with an `AttentionMeta`
@@ -31,10 +35,12 @@ output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
 the same places run `nn.DenseGeneral` / `nn.Dense`, `jnp.einsum` and
 `fp8jax.attention`, under the same parameter names and shapes, so parameters
 move freely between the two (a bf16 checkpoint loads into the FP8 model).
+`GptConfig.fp8_layers="auto"` keeps in bf16 the projections where the cost model
+predicts FP8 slower (`fp8jax.models.gpt_fp8_layers`); their state is then absent.
 
 The "fp8_meta" collection follows `fp8jax.flax.linen`'s conventions:
 
-    {"blocks": {"attention": {"query"|"key"|"value"|"out": {"dot_meta": DotMeta},
+    {"blocks": {"attention": {"qkv"|"out": {"dot_meta": DotMeta},
                               "attention_meta": AttentionMeta},
                 "mlp": {"up"|"down": {"dot_meta": DotMeta}}},
      "head": {"dot_meta": DotMeta}}
@@ -80,10 +86,11 @@ from fp8jax.core.meta import init_attention_meta
 from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
-from fp8jax.models import gpt_moe
+from fp8jax.flax.linen_mlp import Fp8Mlp
+from fp8jax.models import gpt_fp8_layers, gpt_moe
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
-from fp8jax.ops.attention_backend import BACKENDS, BackendChoice
-from fp8jax.ops import saved_activations
+from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
+from fp8jax.ops import fused_kernels, saved_activations
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
@@ -92,7 +99,8 @@ from fp8jax.telemetry import TELEMETRY_COLLECTION
 SAVED_ACTIVATIONS = ("default", "fp8")
 ACTIVATION_DTYPE = jnp.bfloat16
 PARAM_DTYPE = jnp.float32
-VOCAB_SIZE = 256  # bytes
+#: Token ids are bytes: 256 of them.
+VOCAB_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,14 +120,23 @@ class GptConfig:
     init_std: standard deviation of the embedding and projection initializers.
     remat: recompute each block's activations in the backward pass (`nn.remat`),
       trading compute for memory.
-    scan_unroll: blocks per iteration of the `nn.scan` loop (n_layers unrolls it
-      fully; parameters and FP8 state stay stacked either way). On XLA:CPU a rolled
-      loop stores each block's saved activations by rewriting the whole stacked
-      buffer (FP8 ones through an f16 copy): the tiny model's train step takes
-      512 ms in FP8 and 176 ms in bf16 rolled, 172 and 138 ms unrolled. "tiny"
-      unrolls; the larger sizes (meant for a GPU) keep the loop rolled.
-    fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`);
-      False keeps it in bf16 (`fp8jax.attention`) beside the FP8 projections.
+    scan_unroll: blocks per iteration of the `nn.scan` loop; None (the default)
+      unrolls it fully. Parameters and FP8 state stay stacked either way (one array
+      per weight over the layers, which the optimizer updates in few kernels). A
+      rolled loop costs a train step much more than its compile time saves: it
+      zero-fills a stacked buffer for every activation the backward keeps, copies
+      each layer's into it and slices it back out, and its kernels are launched one
+      at a time (the 350m step, batch 8 x 1024, on an H100 by `fp8jax cost`: bf16
+      71 ms rolled against 37 ms unrolled). On XLA:CPU the tiny model's train step
+      takes 512 ms in FP8 and 176 ms in bf16 rolled, 172 and 138 ms unrolled.
+    fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`) where
+      the backend chosen for it computes in FP8 (an FP8 kernel; on a CPU, XLA's
+      emulation of one). Where it would only dequantize the FP8 inputs into a bf16
+      kernel (on Hopper today: cuDNN's bf16 attention is faster than every validated
+      FP8 kernel), the block runs that bf16 attention itself, without the passes that
+      quantize q, k, v and record their amaxes (1.8 ms of the 350m step); its
+      AttentionMeta is kept but not updated (`runs_fp8_attention` says which).
+      False keeps attention in bf16 (`fp8jax.attention`) beside the FP8 projections.
     attention_backend: force an attention backend ("pallas", "xla", ...; see
       `fp8jax.ops.attention_backend`); None lets fp8jax choose for the compile target.
     saved_activations: what the backward keeps of the non-GEMM ops. "default": what
@@ -135,6 +152,9 @@ class GptConfig:
     top_k: with experts, the experts each token is routed to (1 <= top_k <= experts).
     aux_loss_weight: with experts, the weight of the load-balancing loss (summed over the
       layers) in the training objective (`gpt_moe.load_balancing_loss`).
+    fp8_layers: with a recipe, which projections run in FP8: "all" (the default), or
+      "auto", those where the cost model predicts FP8 no slower than bf16 (the default
+      layer filter's choice; `fp8jax.models.gpt_fp8_layers`), the others in bf16.
   """
 
   d_model: int
@@ -147,18 +167,21 @@ class GptConfig:
   norm_eps: float = 1e-6
   init_std: float = 0.02
   remat: bool = False
-  scan_unroll: int = 1
+  scan_unroll: int | None = None
   fp8_attention: bool = True
   attention_backend: str | None = None
   saved_activations: str = "default"
   experts: int = 0
   top_k: int = 2
   aux_loss_weight: float = 0.01
+  fp8_layers: str = "all"
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
                   "scan_unroll"):
       value = getattr(self, field)
+      if field == "scan_unroll" and value is None:
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"GptConfig.{field}={value!r}: expected a positive int.")
     if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
@@ -172,6 +195,7 @@ class GptConfig:
       raise ValueError(f"GptConfig.attention_backend={self.attention_backend!r} is not one of "
                        f"{BACKENDS} (or None to let fp8jax choose).")
     gpt_moe.check_fields(self.experts, self.top_k, self.aux_loss_weight)
+    gpt_fp8_layers.check_fp8_layers(self.fp8_layers)
 
   @property
   def head_dim(self) -> int:
@@ -187,11 +211,12 @@ class GptConfig:
     return self.saved_activations == "fp8"
 
 
+#: The demo sizes by name: `config_for(name)`.
 SIZES: dict[str, GptConfig] = {
     # tiny: the CPU demo size. Measured on 2 shared CPU cores (jax 0.10.2, batch
     # 16 x 128, jitted adamw train step, median after compile): 138 ms per step in
     # bf16, 172 ms in FP8 (delayed scaling), 174 ms (current): 300 steps take 40-50 s.
-    "tiny": GptConfig(d_model=128, n_layers=4, n_heads=2, seq_len=128, scan_unroll=4),
+    "tiny": GptConfig(d_model=128, n_layers=4, n_heads=2, seq_len=128),
     "small": GptConfig(d_model=384, n_layers=6, n_heads=6, seq_len=256),
     "125m": GptConfig(d_model=768, n_layers=12, n_heads=12, seq_len=1024),
     "350m": GptConfig(d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
@@ -220,7 +245,7 @@ def parameter_count(config: GptConfig) -> int:
   """Number of parameters: embedding (tied, counted once), blocks, final norm (with
   experts, all of them: `gpt_moe.mlp_parameters`)."""
   d = config.d_model
-  per_block = 4 * d * d + gpt_moe.mlp_parameters(config) + 2 * d  # q, k, v, out; MLP; norms
+  per_block = 4 * d * d + gpt_moe.mlp_parameters(config) + 2 * d  # qkv, out; MLP; norms
   return config.vocab_size * d + config.n_layers * per_block + d
 
 
@@ -251,6 +276,17 @@ def attention_choice(config: GptConfig, recipe: Recipe | None, batch_size: int,
                              ACTIVATION_DTYPE)
   return choose_backend(qkv, qkv, fp8=fp8, causal=True, has_segments=False,
                         recipe=recipe if fp8 else None, backend=config.attention_backend)
+
+
+def runs_fp8_attention(config: GptConfig, recipe: Recipe | None, batch_size: int,
+                       seq_len: int) -> bool:
+  """Whether `Gpt(config, recipe)`'s attention computes in FP8 for [batch_size, seq_len]:
+  FP8 attention is asked for and its backend is not one that dequantizes FP8 inputs
+  into a bf16 kernel (see `GptConfig.fp8_attention`)."""
+  if recipe is None or not config.fp8_attention:
+    return False
+  choice = attention_choice(config, recipe, batch_size, seq_len)
+  return choice.name not in DEQUANTIZING_FP8_BACKENDS
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -291,21 +327,11 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, delta: jax.Array | None = None):
     scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
-    if self.save_fp8 or self.return_amax:
-      options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
-                     return_amax=self.return_amax)
-      if delta is None:
-        return rms_norm(x, scale, **options)
-      return add_rms_norm(x, delta, scale, **options)
-    if delta is not None:
-      x = x + delta
-      return x, self._normalize(x, scale)
-    return self._normalize(x, scale)
-
-  def _normalize(self, x: jax.Array, scale: jax.Array) -> jax.Array:
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-    return (x * scale.astype(jnp.float32)).astype(self.out_dtype)
+    options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
+                   return_amax=self.return_amax)
+    if delta is None:
+      return rms_norm(x, scale, **options)
+    return add_rms_norm(x, delta, scale, **options)
 
 
 def _dense_general(recipe: Recipe | None, features, *, std: float, axis=-1, name: str):
@@ -347,14 +373,18 @@ def _writes_amax(recipe: Recipe | None) -> bool:
   return False
 
 
+# The recipe of one projection under GptConfig.fp8_layers (None: bf16).
+_projection_recipe = gpt_fp8_layers.projection_recipe
+
+
 def _residual_std(config: GptConfig) -> float:
   return config.init_std / math.sqrt(2 * config.n_layers)
 
 
 class CausalSelfAttention(nn.Module):
-  """q, k, v projections, RoPE on q and k, causal attention, output projection.
+  """The qkv projection, RoPE on q and k, causal attention, output projection.
 
-  Not `Fp8MultiHeadAttention`: RoPE has to act between the projections and the
+  Not `Fp8MultiHeadAttention`: RoPE has to act between the projection and the
   attention. The state follows that layer's conventions (a `DotMeta` per
   projection, an `AttentionMeta` named "attention_meta").
   """
@@ -366,21 +396,26 @@ class CausalSelfAttention(nn.Module):
   def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
     """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `x_amax`: max|x| if known."""
     c, recipe = self.config, self.recipe
-    heads = (c.n_heads, c.head_dim)
-    q = _project(_dense_general(recipe, heads, std=c.init_std, name="query"), x, x_amax)
-    k = _project(_dense_general(recipe, heads, std=c.init_std, name="key"), x, x_amax)
-    v = _project(_dense_general(recipe, heads, std=c.init_std, name="value"), x, x_amax)
+    # One projection reads h once (in FP8: one cast of h and of the kernel, one GEMM).
+    # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
+    # split over a tensor-parallel axis stay whole blocks of the flattened GEMM.
+    qkv = _project(_dense_general(_projection_recipe(c, recipe, "qkv"),
+                                  (c.n_heads, 3, c.head_dim), std=c.init_std, name="qkv"),
+                   x, x_amax)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
     if recipe is not None and c.fp8_attention:
+      # The state exists whichever attention runs, so the tree is the same on every target.
       variable = fp8_variable(self, "attention_meta", init_attention_meta, recipe)
+    if runs_fp8_attention(c, recipe, x.shape[0], x.shape[1]):
       out, new_meta = fp8_attention(q, k, v, read_meta(self, variable), causal=True,
                                     backend=c.attention_backend, save_output_fp8=c.fp8_saved)
       store_dot_meta(self, variable, new_meta)
     else:
       out = attention(q, k, v, causal=True, backend=c.attention_backend)
-    return _dense_general(recipe, c.d_model, axis=(-2, -1), std=_residual_std(c),
-                          name="out")(out)
+    return _dense_general(_projection_recipe(c, recipe, "out"), c.d_model, axis=(-2, -1),
+                          std=_residual_std(c), name="out")(out)
 
 
 class Mlp(nn.Module):
@@ -395,14 +430,15 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
     c = self.config
-    h = _project(_dense(self.recipe, c.d_ff, std=c.init_std, name="up"), x, x_amax)
+    h = _project(_dense(_projection_recipe(c, self.recipe, "up"), c.d_ff, std=c.init_std,
+                        name="up"), x, x_amax)
     h_amax = None
     if _writes_amax(self.recipe):
       h, h_amax = gelu(h, save_fp8=c.fp8_saved, return_amax=True)
     else:
-      h = gelu(h, save_fp8=True) if c.fp8_saved else nn.gelu(h)
-    return _project(_dense(self.recipe, c.d_model, std=_residual_std(c), name="down"), h,
-                    h_amax)
+      h = gelu(h, save_fp8=c.fp8_saved)
+    return _project(_dense(_projection_recipe(c, self.recipe, "down"), c.d_model,
+                           std=_residual_std(c), name="down"), h, h_amax)
 
 
 class Block(nn.Module):
@@ -426,7 +462,14 @@ class Block(nn.Module):
       return x + gpt_moe.moe_mlp(c, self.recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
                                  name="mlp")(h[0]), None
-    return x + Mlp(c, self.recipe, name="mlp")(*h), None
+    mlp_recipes = {_projection_recipe(c, self.recipe, name) for name in ("up", "down")}
+    if None in mlp_recipes or amax:  # a projection in bf16: no fused FP8 MLP
+      return x + Mlp(c, self.recipe, name="mlp")(*h), None
+    # Both projections and the GELU as one op, the GELU done by the FP8 casts.
+    return x + Fp8Mlp(c.d_ff, recipe=self.recipe, dtype=ACTIVATION_DTYPE,
+                      param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(c.init_std),
+                      output_kernel_init=nn.initializers.normal(_residual_std(c)),
+                      save_fp8=c.fp8_saved, name="mlp")(h[0]), None
 
 
 class TiedOutput(nn.Module):
@@ -468,6 +511,7 @@ class Gpt(nn.Module):
     c, recipe = self.config, self.recipe
     if recipe is not None:
       check_recipe(recipe, "recipe")
+      gpt_fp8_layers.warn_if_no_projection_in_fp8(c, recipe)
     _check_tokens(tokens, c)
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=ACTIVATION_DTYPE, param_dtype=PARAM_DTYPE,
                      embedding_init=nn.initializers.normal(c.init_std), name="embed")
@@ -481,11 +525,12 @@ class Gpt(nn.Module):
                                            TELEMETRY_COLLECTION: 0,
                                            gpt_moe.AUX_COLLECTION: 0},
                      split_rngs={"params": True}, length=c.n_layers,
-                     unroll=min(c.scan_unroll, c.n_layers))
-    x, _ = blocks(c, recipe, name="blocks")(x, None)
+                     unroll=min(c.scan_unroll or c.n_layers, c.n_layers))
+    with fused_kernels.stacked_state():  # the blocks' FP8 state is sliced from a stack
+      x, _ = blocks(c, recipe, name="blocks")(x, None)
     h = RMSNorm(c.norm_eps, out_dtype=jnp.float32, save_fp8=c.fp8_saved, name="final_norm")(x)
     table = embed.embedding
-    if recipe is None:
+    if _projection_recipe(c, recipe, "head") is None:
       return jnp.einsum("bsd,vd->bsv", h.astype(ACTIVATION_DTYPE),
                         table.astype(ACTIVATION_DTYPE), preferred_element_type=jnp.float32)
     return TiedOutput(recipe, name="head")(h, table)

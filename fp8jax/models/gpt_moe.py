@@ -46,7 +46,7 @@ from fp8jax.core.recipes import DelayedScaling, Recipe
 from fp8jax.flax.linen_moe import LOSS_NAME, Fp8MoE, sum_sown_losses
 from fp8jax.ops.gelu import gelu
 
-# The collection the MoE layers sow their load-balancing losses into (flax's own name).
+#: The collection the MoE layers sow their load-balancing losses into (Flax's own name).
 AUX_COLLECTION = "intermediates"
 
 

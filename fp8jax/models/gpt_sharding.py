@@ -1,6 +1,6 @@
 """How the demo GPT shards over a data x model mesh (Megatron-style tensor parallelism, FSDP).
 
-Each block's q, k and v projections and the MLP's up projection are
+Each block's qkv projection and the MLP's up projection are
 column-parallel (their output features, the heads or d_ff, split over
 "model"); the attention output and the MLP's down projection are row-parallel
 (their input features split over "model"), so a block needs one sum over
@@ -29,9 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # A param's (module, name) -> (its tensor-parallel spec, its d_model axis).
 _LAYOUT = {
-    ("query", "kernel"): (P(None, None, "model", None), 1),   # [L, d, heads, head_dim]
-    ("key", "kernel"): (P(None, None, "model", None), 1),
-    ("value", "kernel"): (P(None, None, "model", None), 1),
+    ("qkv", "kernel"): (P(None, None, "model", None, None), 1),  # [L, d, heads, 3, head_dim]
     ("out", "kernel"): (P(None, "model", None, None), 3),     # [L, heads, head_dim, d]
     ("up", "kernel"): (P(None, None, "model"), 1),            # [L, d, d_ff]
     ("down", "kernel"): (P(None, "model", None), 2),          # [L, d_ff, d]

@@ -291,8 +291,11 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
     q: [batch, q_len, heads, head_dim], bf16/f16/f32 (quantized here with `meta.q`).
     k, v: [batch, kv_len, kv_heads, head_dim] (quantized with `meta.k`, `meta.v`).
     meta: this attention's `AttentionMeta` (from `init_attention_meta(recipe)`).
-    causal, q_segment_ids, kv_segment_ids, sm_scale: as for `attention` (bottom-right
-      causal; a query row that sees no key outputs 0 and gets no gradient).
+    causal: as for `attention`: query i attends to keys j <= i + kv_len - q_len
+      (bottom-right aligned); a query row that sees no key outputs 0 and gets no gradient.
+    q_segment_ids: optional int [batch, q_len], as for `attention`.
+    kv_segment_ids: optional int [batch, kv_len], as for `attention`.
+    sm_scale: logit multiplier, as for `attention` (default 1/sqrt(head_dim)).
     backend: force "pallas", "pallas_hopper_fp8", "pallas_hopper", "cudnn" or "xla";
       None chooses. "xla" does the "pallas" kernel's arithmetic, E4M3 rounding of P
       included; "pallas_hopper" and "cudnn" run bf16 attention on the dequantized

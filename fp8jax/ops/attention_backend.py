@@ -60,11 +60,12 @@ import warnings
 
 from pallas_kernels import SUPPORTED_HEAD_DIMS as PALLAS_HEAD_DIMS
 
+#: The attention backends a call may force (`backend=`); None lets fp8jax choose.
 BACKENDS = ("pallas", "pallas_hopper", "pallas_hopper_fp8", "cudnn", "xla")
 # The Hopper kernels' constraints (pallas_kernels/hopper_attention_tiling.py).
 HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_SEQ_MULTIPLE = 128
-# Backends that run FP8 attention as bf16 attention on dequantized inputs.
+#: Backends that run FP8 attention as bf16 attention on dequantized inputs.
 DEQUANTIZING_FP8_BACKENDS = ("pallas_hopper", "cudnn")
 # What jax.nn.dot_product_attention(implementation="cudnn") accepts.
 CUDNN_DTYPES = ("bfloat16", "float16")

@@ -53,6 +53,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.core.meta import (DotMeta, amaxes_unbatched_like, check_dot_meta, descale,
                               record_amax)
@@ -61,7 +62,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import match_operand_axes, varying_axes
 from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
-from fp8jax.ops import weight_reuse
+from fp8jax.ops import fused_kernels, saved_activations, weight_reuse
 from fp8jax.ops.cast import amax_of_whole, cast_scale, quantize_with_meta
 from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
 from fp8jax.ops.fused_kernels import cast_from_amax, cast_in_chain
@@ -157,7 +158,7 @@ def _fp8_dot(x, kernel, meta, reused, x_amax, dims, kernel_dtype, layout):
 
 def _fp8_dot_fwd_impl(x, kernel, meta, reused, x_amax, dims, layout):
   if layout is not None:
-    out, new_meta, residuals = _matrix_fwd(x, kernel, meta, reused, layout, x_amax)
+    out, new_meta, residuals = matrix_fwd(x, kernel, meta, reused, layout, x_amax)
   else:
     out, new_meta, residuals = _general_fwd(x, kernel, meta, dims)
   # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.core.quantize.unbatched_like).
@@ -177,6 +178,8 @@ def _general_fwd(x, kernel, meta, dims):
       out = scaled_dot(qx, qk, scale_inv_x, scale_inv_k, dims, x.dtype)
   new_meta = dataclasses.replace(meta, x=meta_x, kernel=meta_k)
   # A high-precision backward GEMM reads the unquantized operand instead of its FP8 copy.
+  if "wgrad" not in high:
+    qx, scale_inv_x = saved_activations.named(qx, scale_inv_x, "dense_x")
   residuals = (x if "wgrad" in high else qx, kernel if "dgrad" in high else qk,
                scale_inv_x, scale_inv_k, meta.grad)
   return out, new_meta, residuals
@@ -192,7 +195,7 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
   reused_cotangent = None
   g, meta_cotangent = cotangents
   if layout is not None:
-    dx, dk, grad_cotangent = _matrix_bwd(layout, residuals, g, meta_cotangent.grad,
+    dx, dk, grad_cotangent = matrix_bwd(layout, residuals, g, meta_cotangent.grad,
                                          kernel_dtype)
     return (dx, dk, amaxes_unbatched_like(
         meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent)),
@@ -223,7 +226,8 @@ def _fp8_dot_bwd(dims, kernel_dtype, layout, residuals, cotangents):
       dk = explicit_mesh.dot_general(qx, g.astype(qx.dtype), wgrad_dims,
                                      dk_spec).astype(kernel_dtype)
     else:
-      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims, kernel_dtype, dk_spec)
+      dk = scaled_dot(qx, qg, scale_inv_x, scale_inv_g, wgrad_dims,
+                      wgrad_dtype(g.dtype, kernel_dtype), dk_spec).astype(kernel_dtype)
     dk = jnp.transpose(dk, wgrad_perm)
 
   meta_in_cotangent = dataclasses.replace(
@@ -339,8 +343,14 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   return cast, scale_inv, running
 
 
-def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
+def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
+  """The matrix path's forward: (out, new_meta, residuals).
+
+  `x_prologue`: the GEMM's input is `x_prologue.fn(x)`, made by x's cast
+  (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`).
+  """
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
+  with_prologue = {} if x_prologue is None else dict(prologue=x_prologue)
   # Delayed scaling's running amaxes enter the step as its parameters or zeros:
   # buffers a cast kernel cannot max into in place (XLA would copy each first, a
   # launch for 4 bytes). So the layer's casts form a chain instead
@@ -353,8 +363,12 @@ def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
   # scale and history, the output gradient's amax): read from these copies, the
   # step's parameters die at the casts, so with the state donated the update writes
   # its results where they were instead of XLA copying each result there after it.
-  passed = (meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
-            meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
+  # Not for state sliced from a stack of layers (`fused_kernels.stacked_state`): the
+  # update reads the stack, not the per-layer copies, which would only add a slice and a
+  # copy per array and layer.
+  passed = () if fused_kernels.in_stacked_state() else (
+      meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
+      meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
   if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
@@ -368,7 +382,7 @@ def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
     qk, qk_t = k_cast.q, k_cast.q_t
     x_cast, scale_inv_x, _ = _quantize_matrix(
         x2, meta.x, x, (scale_inv_k,), accumulator=k_cast.seeds[0],
-        reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed)
+        reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed, **with_prologue)
     k_amax = x_cast.reduced
   else:
     k_cast, scale_inv_k, _ = _quantize_matrix(
@@ -381,7 +395,9 @@ def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
   out = explicit_mesh.reshape(out, layout.out_shape, layout.out_spec)
-  x_scale, x_history, k_scale, k_history, g_scale, g_history, g_amax = x_cast.passed
+  x_scale, x_history, k_scale, k_history, g_scale, g_history, g_amax = x_cast.passed or (
+      meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
+      meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
   new_meta = DotMeta(
       x=dataclasses.replace(meta.x, scale=x_scale, amax_history=x_history, amax=x_cast.amax),
       kernel=dataclasses.replace(meta.kernel, scale=k_scale, amax_history=k_history,
@@ -389,18 +405,32 @@ def _matrix_fwd(x, kernel, meta, reused, layout, x_amax=None):
       grad=dataclasses.replace(meta.grad, scale=g_scale, amax_history=g_history, amax=g_amax))
   # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad);
   # the output gradient's cast accumulates its amax into the zeroed buffer x's left.
-  g_accumulator = x_cast.seeds[0] if chain else None
-  residuals = (x_cast.q_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator)
+  # Named, x's are what `saved_activations.policy()` keeps under remat (the kernel's
+  # copy is recomputed from the kernel, which remat keeps).
+  qx_t, scale_inv_x = saved_activations.named(x_cast.q_t, scale_inv_x, "dense_x")
+  g_accumulator = (checkpoint_name(x_cast.seeds[0], saved_activations.GRAD_AMAX_SEED)
+                   if chain else None)
+  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator)
   return out, new_meta, residuals
 
 
-def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
+def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=None,
+                g_prologue_inputs=()):
+  """The matrix path's backward: (dx, dk, the grad role's cotangent).
+
+  `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
+  input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`).
+  """
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator = residuals
-  g2 = explicit_mesh.to_matrix(g, g.ndim - (len(layout.kernel_shape) - layout.n_contract))
+  n_free = g.ndim - (len(layout.kernel_shape) - layout.n_contract)
+  g2 = explicit_mesh.to_matrix(g, n_free)
+  with_prologue = {} if g_prologue is None else dict(
+      prologue=g_prologue,
+      prologue_inputs=tuple(explicit_mesh.to_matrix(t, n_free) for t in g_prologue_inputs))
   # The grad role's scale is the forward state's; its amax goes to the cotangent.
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
   g_cast, _, _ = _quantize_matrix(g2, with_running, g, (scale_inv_k, scale_inv_x),
-                                  accumulator=g_accumulator)
+                                  accumulator=g_accumulator, **with_prologue)
   qg, qg_t = g_cast.q, g_cast.q_t
   dgrad_descale, wgrad_descale = g_cast.products
   # On an explicit-axis mesh dx is sharded as x (qx_t is x^T) and dk as the kernel
@@ -409,11 +439,21 @@ def _matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype):
     dx = scaled_matmul_nt(qg, qk, dgrad_descale, g.dtype,
                           out_spec=explicit_mesh.explicit_spec(qx_t)[::-1])
   with jax.named_scope("fp8_wgrad"):
-    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, kernel_dtype,
-                          out_spec=explicit_mesh.explicit_spec(qk))
+    dk = scaled_matmul_nt(qx_t, qg_t, wgrad_descale, wgrad_dtype(g.dtype, kernel_dtype),
+                          out_spec=explicit_mesh.explicit_spec(qk)).astype(kernel_dtype)
   dx = explicit_mesh.reshape(dx, layout.x_shape, layout.x_spec)
   dk = explicit_mesh.reshape(dk, layout.kernel_shape, layout.kernel_spec)
   return dx, dk, dataclasses.replace(grad_cotangent, amax=g_cast.amax)
+
+
+def wgrad_dtype(g_dtype, kernel_dtype):
+  """The dtype the weight-gradient GEMM writes: the narrower of the output gradient's
+  and the kernel's. A float32 master weight (the Flax layers hand the op their stored
+  kernel, `fp8jax.flax.master_kernel`) gets its gradient as a bf16 model's does, rounded
+  to the activations' dtype by the GEMM (2 bytes written, and read by the optimizer,
+  where the conversion to float32 fuses) instead of 4 each way."""
+  g_dtype, kernel_dtype = jnp.dtype(g_dtype), jnp.dtype(kernel_dtype)
+  return g_dtype if g_dtype.itemsize < kernel_dtype.itemsize else kernel_dtype
 
 
 # ----- GEMMs with their descales -----------------------------------------------------

@@ -49,6 +49,7 @@ from fp8jax.core.quantize import amax
 from fp8jax.core.recipes import GEMMS
 from fp8jax.mesh.axes import describe_axes, manual_axes, types_recorded, varying_axes
 from fp8jax.mesh.explicit import is_explicitly_sharded
+from fp8jax.ops import saved_activations
 
 
 def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
@@ -130,8 +131,13 @@ def _forward(x, kernel, meta):
     k_dgrad = k_fprop  # B x B blocks are the same blocks of k^T
   else:
     k_dgrad = recipe.quantize_operand(kernel, meta.kernel.fmt, axis=-1, weight=True)
-  x_wgrad = x if "wgrad" in high else recipe.quantize_operand(x, meta.x.fmt, axis=-2,
-                                                              weight=False)
+  if "wgrad" in high:
+    x_wgrad = x
+  else:
+    x_wgrad = recipe.quantize_operand(x, meta.x.fmt, axis=-2, weight=False)
+    # Named: what `saved_activations.policy()` keeps under remat.
+    q, scale_inv = saved_activations.named(x_wgrad.q, x_wgrad.scale_inv, "dense_x")
+    x_wgrad = dataclasses.replace(x_wgrad, q=q, scale_inv=scale_inv)
   return out, amaxes_unbatched_like(meta, new_meta), (x_wgrad, k_dgrad, meta.grad)
 
 

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 import pallas_kernels
+from pallas_kernels.activations import Prologue
 from fp8jax.core.formats import Fp8Format
 from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_from_amax
 from fp8jax.mesh.axes import fully_manual, inside_shard_map
@@ -75,6 +76,33 @@ def fused_kernels(enabled: bool):
     yield
   finally:
     _FORCED.reset(token)
+
+
+_STACKED = contextvars.ContextVar("fp8jax_stacked_state", default=False)
+
+
+@contextlib.contextmanager
+def stacked_state():
+  """The FP8 ops traced inside read state sliced from a stack of layers.
+
+  A layer's casts copy its FP8 state through (`cast_in_chain`'s `pass_through`) so that
+  the step's update, reading the copies, can write the donated state in place. Where
+  the state of a layer is a slice of a stack (an `nn.scan` over layers, unrolled or
+  not) the update reads the stack itself, and the copies would only cost a slice and a
+  copy per array and layer (the 350m GPT: 286 launches a step). A model that scans or
+  unrolls its layers over stacked FP8 state traces them inside this context, as the
+  demo GPT does (`fp8jax.models.gpt`).
+  """
+  token = _STACKED.set(True)
+  try:
+    yield
+  finally:
+    _STACKED.reset(token)
+
+
+def in_stacked_state() -> bool:
+  """Whether ops are being traced inside `stacked_state()`."""
+  return _STACKED.get()
 
 
 def kernels_allowed(*trees) -> bool:
@@ -124,7 +152,8 @@ def choose(args, kernel, reference):
 def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
                         fmt: Fp8Format, descale: jax.Array | None = None,
                         partner_descales: tuple | None = None,
-                        gathered_for: jax.Array | None = None):
+                        gathered_for: jax.Array | None = None,
+                        valid_rows: jax.Array | None = None):
   """`(q, q.T, max(running_amax, max|x|), products)` with `q = saturate(x * scale)` in `fmt`.
 
   Args:
@@ -140,13 +169,17 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, running_amax: jax.Array,
       mesh whose batch axes also split the weight (FSDP), the kernel then casts
       each device's shard and all-gathers the FP8 copy, transposing it after
       the gather (`fp8jax.mesh.partitioning.shard_local_weight_cast`).
+    valid_rows: optional int32[]: only x's rows [0, valid_rows) are in use (a grouped
+      GEMM's rows within its groups); the others are read as 0 (no amax, zero FP8 rows),
+      in the same pass.
 
   Returns:
     q [R, C] and q.T [C, R] in `fmt.dtype`, the updated float32[] running amax,
     and the tuple of float32[] products (None without `partner_descales`).
   """
   cast = cast_in_chain(x, scale, running_amax, fmt, descale=descale,
-                       partner_descales=partner_descales, gathered_for=gathered_for)
+                       partner_descales=partner_descales, gathered_for=gathered_for,
+                       valid_rows=valid_rows)
   return cast.q, cast.q_t, cast.amax, cast.products
 
 
@@ -176,7 +209,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
                   fmt: Fp8Format, *, descale: jax.Array | None = None,
                   partner_descales: tuple | None = None, gathered_for: jax.Array | None = None,
                   accumulator: jax.Array | None = None, tile_amaxes: bool = False,
-                  reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = ()) -> Cast:
+                  reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = (),
+                  prologue: Prologue | None = None, prologue_inputs: tuple = (),
+                  valid_rows: jax.Array | None = None) -> Cast:
   """`cast_transpose_amax` as one cast of a chain whose amaxes need no kernel of their own.
 
   The cast kernel folds its tiles' maxima into one float32 with atomics, so that
@@ -196,32 +231,47 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   XLA can then write the update's results where those parameters were instead of
   copying each one there after the update.
 
+  A cast can take its tensor as an elementwise function of x (and of tensors of x's
+  shape) that it computes itself (`prologue`, `pallas_kernels.activations`): the
+  GELU before a projection, or its backward before the previous projection's output
+  gradient. The function's result is cast and its amax recorded, in float32, and never
+  written in bf16 for a cast to read again.
+
   Elsewhere (the jnp form) the same values: the tile maxima are a vector of
   max|x| as long as the kernel's, the seeds zeros, the copies the arrays themselves.
 
   Args:
-    x, scale, running_amax, fmt, descale, partner_descales, gathered_for: as for
-      `cast_transpose_amax` (`running_amax` None with `tile_amaxes`).
+    x, scale, running_amax, fmt, descale, partner_descales, gathered_for, valid_rows: as
+      for `cast_transpose_amax` (`running_amax` None with `tile_amaxes`).
     accumulator: a seed of an earlier cast of the same step.
     tile_amaxes: return the tile maxima instead of the running amax.
     reduce: (tiles, running) of an earlier cast.
     seeds: how many zeroed accumulators to return.
     pass_through: float32 scalars and vectors to return copies of.
+    prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` instead of x.
 
   Returns:
     A `Cast`.
   """
-  if pass_through and gathered_for is not None:
-    raise ValueError("pass_through is for casts of activations and gradients; a weight's cast "
-                     "(gathered_for=...) runs under a partitioning rule without it.")
+  if (pass_through or valid_rows is not None) and gathered_for is not None:
+    raise ValueError("pass_through and valid_rows are for casts of activations and gradients; "
+                     "a weight's cast (gathered_for=...) runs under a partitioning rule "
+                     "without them.")
   with_products = partner_descales is not None
   n_products = len(partner_descales) if with_products else 0
   tiles_len = pallas_kernels.tile_count(x.shape) if tile_amaxes and x.ndim == 2 else 1
 
   shapes = tuple(jnp.shape(a) for a in pass_through)
+  if prologue is not None and gathered_for is not None:
+    raise ValueError("prologue is for casts of activations and gradients; a weight's cast "
+                     "(gathered_for=...) runs under a partitioning rule without it.")
+  others = tuple(prologue_inputs)
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-                pass_through, gathered_for=None):
+                pass_through, others, valid_rows, gathered_for=None):
+    if prologue is not None:
+      x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
+    x = pallas_kernels.rows_in_use(x, valid_rows)
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if with_products else None)
@@ -237,8 +287,11 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds,
                 tuple(pass_through))
 
-  def local_kernel(x, scale, *operands):
+  def local_kernel(x, *operands):
     operands = list(operands)
+    tensors = tuple(operands.pop(0) for _ in others)
+    scale = operands.pop(0)
+    rows = operands.pop(0) if valid_rows is not None else None
     running = None if tile_amaxes else operands.pop(0)
     descale = operands.pop(0) if with_products else None
     partners = tuple(operands.pop(0) for _ in range(n_products)) if with_products else None
@@ -247,29 +300,34 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     out = pallas_kernels.cast_transpose_amax_in_chain(
         x, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
         partner_descales=partners, accumulator=acc, tile_amaxes=tile_amaxes, reduce=tiles,
-        seeds=seeds, pass_through=tuple(operands))
+        seeds=seeds, pass_through=tuple(operands), prologue=prologue, prologue_inputs=tensors,
+        valid_rows=rows)
     return (out.q, out.q_t, out.amax, *(out.products or ()),
             *((out.reduced,) if reduce is not None else ()), *out.seeds, *out.passed)
 
   kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
            + ("scalar",) * (n_products + (reduce is not None) + seeds)
            + ("vector",) * len(pass_through))
-  per_shard = shard_local(local_kernel, kinds)
+  # A row limit counts the whole tensor's rows, and each device's shard gets its own
+  # count: it is the scalar operand after the scale.
+  per_shard = shard_local(local_kernel, kinds, tensors=1 + len(others),
+                          row_limit=1 if valid_rows is not None else None)
 
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-             pass_through, gathered_for):
+             pass_through, others, valid_rows, gathered_for):
     # Copied through as vectors (a partitioning rule gives each output one layout).
-    operands = ([] if tile_amaxes else [running_amax]) + (
+    operands = list(others) + [scale] + ([] if valid_rows is None else [valid_rows]) + (
+        [] if tile_amaxes else [running_amax]) + (
         [descale, *partner_descales] if with_products else []) + (
         [accumulator] if accumulator is not None else []) + (
         list(reduce) if reduce is not None else []) + [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
-      results = local_kernel(x, scale, *operands)
+      results = local_kernel(x, *operands)
     elif gathered_for is None:
-      results = per_shard(x, scale, *operands)
+      results = per_shard(x, *operands)
     else:
       results = shard_local_weight_cast(local_kernel)(
-          x, gathered_for, scale, *operands, n_scalars_out=len(kinds) - 3,
+          x, gathered_for, *operands, n_scalars_out=len(kinds) - 3,
           amax_kind=kinds[2])
     q, q_t, new_amax, *rest = results
     products = tuple(rest[:n_products]) if with_products else None
@@ -278,9 +336,12 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     passed = tuple(c.reshape(shape) for c, shape in zip(rest[seeds:], shapes))
     return Cast(q, q_t, new_amax, products, reduced, tuple(rest[:seeds]), passed)
 
+  if valid_rows is not None:
+    valid_rows = jnp.asarray(valid_rows, jnp.int32)
   args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce,
-          tuple(pass_through), gathered_for)
-  cast = reference(*args) if not _takes(x) else choose(args, kernel, reference)
+          tuple(pass_through), others, valid_rows, gathered_for)
+  takes = _takes(x) and all(_takes(t) for t in others)
+  cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
 
 

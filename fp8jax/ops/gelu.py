@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels.activations as activations
 from fp8jax.core.quantize import amax as tensor_amax
 from fp8jax.core.validation import check_floating
 from fp8jax.ops import saved_activations
-
-_C = math.sqrt(2.0 / math.pi)
-_A = 0.044715
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +59,7 @@ def gelu_derivative(h: jax.Array) -> jax.Array:
   Returns:
     y'(h), float32 of h's shape.
   """
-  h = h.astype(jnp.float32)
-  t = jnp.tanh(_C * (h + _A * h * h * h))
-  return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _C * (1.0 + 3.0 * _A * h * h)
+  return activations.gelu_tanh_derivative(h.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -73,8 +68,7 @@ def _gelu(h, call):
 
 
 def _forward(h, call):
-  h32 = h.astype(jnp.float32)
-  y = (0.5 * h32 * (1.0 + jnp.tanh(_C * (h32 + _A * h32 * h32 * h32)))).astype(h.dtype)
+  y = activations.gelu_tanh(h.astype(jnp.float32)).astype(h.dtype)
   y_amax = tensor_amax(y) if call.return_amax else None
   kept = saved_activations.save(h, "gelu") if call.save_fp8 else h
   return (y, y_amax), kept
@@ -82,6 +76,10 @@ def _forward(h, call):
 
 def _gelu_bwd(call, kept, cotangents):
   g, _ = cotangents  # the amax is not differentiated
+  # The barrier keeps XLA from sharing the forward's tanh with this one: it would store
+  # that float32 tensor (4 bytes per element) from the forward for the backward instead
+  # of recomputing it from the 2-byte h the backward reads anyway.
+  kept = jax.lax.optimization_barrier(kept)
   h = saved_activations.restore(kept) if call.save_fp8 else kept
   return ((g.astype(jnp.float32) * gelu_derivative(h)).astype(g.dtype),)
 

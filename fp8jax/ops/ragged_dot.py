@@ -2,7 +2,9 @@
 
 `jax.lax.ragged_dot`'s semantics: rows of `x [M, K]` are sorted by group, `group_sizes`
 int32 [G] says how many rows each group (expert) has, group g's rows are multiplied by
-`w[g] [K, N]`, and rows past the groups' sum give zeros. The three GEMMs of a step:
+`w[g] [K, N]`, and rows past the groups' sum give zeros. Those rows (a buffer's padding)
+change nothing, whatever they hold (NaN included): no output, gradient or amax reads
+them. The three GEMMs of a step:
 
     fprop  y[r]   = x[r] @ w[g(r)]                    x along K, w[g] along K
     dgrad  dx[r]  = dy[r] @ w[g(r)]^T                 dy along N, w[g] along N
@@ -158,6 +160,12 @@ def _expert_amax(w):
   return max_by_bits(jnp.abs(w.astype(jnp.float32)), axis=(1, 2))
 
 
+def _rows_in_groups(group_sizes, rows: int) -> jax.Array:
+  """int32[]: how many leading rows of x [rows, ...] the groups hold (the rest is padding;
+  negative sizes count as 0, as in the kernels' schedules)."""
+  return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), rows).astype(jnp.int32)
+
+
 # ----- per-tensor recipes (delayed, current, and recipes of your own alike) -------------
 
 
@@ -171,25 +179,28 @@ def _expert_scales(meta: Fp8Meta, w_amax):
   return round_down_to_power_of_two(scale) if recipe.power_of_two else scale
 
 
-def _cast_rows(t, meta: Fp8Meta):
-  """(q, q^T, descale, amax) of a 2-D tensor under a per-tensor meta.
+def _cast_rows(t, meta: Fp8Meta, in_groups):
+  """(q, q^T, descale, amax) of a 2-D tensor under a per-tensor meta, of its first
+  `in_groups` rows (the others read as 0: no amax, zero FP8 rows).
 
   One pass over t under delayed scaling: the cast kernel's own amax (max(0, max|t|), the
   same bits as `amax(t)`) is the one recorded. A recipe that scales from the tensor needs
   its amax before the cast: a pass of its own first.
   """
   if meta.recipe.scales_from_tensor:
-    t_amax = amax(t)
+    t_amax = amax(pallas_kernels.rows_in_use(t, in_groups))
     scale = cast_scale(meta, t_amax, like=t)
   else:
     t_amax, scale = None, meta.scale
-  q, q_t, cast_amax, _ = cast_transpose_amax(t, scale, jnp.zeros((), jnp.float32), meta.fmt)
+  q, q_t, cast_amax, _ = cast_transpose_amax(t, scale, jnp.zeros((), jnp.float32), meta.fmt,
+                                             valid_rows=in_groups)
   return q, q_t, 1.0 / scale, cast_amax if t_amax is None else t_amax
 
 
 def _tensor_fwd(x, w, group_sizes, meta, w_amax):
   high = meta.recipe.high_precision
-  x8, x8_t, x_descale, x_amax = _cast_rows(x, meta.x)
+  in_groups = _rows_in_groups(group_sizes, x.shape[0])
+  x8, x8_t, x_descale, x_amax = _cast_rows(x, meta.x, in_groups)
   w_scale = _expert_scales(meta.kernel, w_amax)
   w8 = quantize(w, w_scale[:, None, None], meta.kernel.fmt)
   # Written out here, the 1-byte copy is what fprop's transposed copy is made from: XLA
@@ -213,7 +224,8 @@ def _tensor_bwd(residuals, dy, grad_meta, w_dtype):
   x8_t, w8, x_descale, w_descale, grad_forward_meta, group_sizes = residuals
   high = grad_forward_meta.recipe.high_precision
   # The forward state's scale for the gradient; its amax goes to the cotangent.
-  dy8, dy8_t, dy_descale, dy_amax = _cast_rows(dy, grad_forward_meta)
+  dy8, dy8_t, dy_descale, dy_amax = _cast_rows(dy, grad_forward_meta,
+                                               _rows_in_groups(group_sizes, dy.shape[0]))
   with jax.named_scope("fp8_grouped_dgrad"):
     if "dgrad" in high:  # w8 is the unquantized weight
       dx = jax.lax.ragged_dot(dy, jnp.swapaxes(w8, 1, 2).astype(dy.dtype), group_sizes)
@@ -242,6 +254,8 @@ def _operand_fwd(x, w, group_sizes, meta):
   recipe = meta.recipe
   high = recipe.high_precision
   fmt = meta.x.fmt
+  # Padding rows zeroed: scales along the tokens (wgrad's) would see them otherwise.
+  x = pallas_kernels.rows_in_use(x, _rows_in_groups(group_sizes, x.shape[0]))
   x_amax = amax(x)
   with jax.named_scope("fp8_grouped_fprop"):
     if "fprop" in high:
@@ -266,6 +280,7 @@ def _operand_bwd(residuals, dy, grad_meta, w_dtype):
   recipe = grad_forward_meta.recipe
   high = recipe.high_precision
   fmt = grad_forward_meta.fmt
+  dy = pallas_kernels.rows_in_use(dy, _rows_in_groups(group_sizes, dy.shape[0]))
   with jax.named_scope("fp8_grouped_dgrad"):
     if "dgrad" in high:
       dx = jax.lax.ragged_dot(dy, jnp.swapaxes(w_dgrad, 1, 2).astype(dy.dtype), group_sizes)

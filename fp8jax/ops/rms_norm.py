@@ -127,7 +127,10 @@ def _norm_fwd(x, delta, scale, call):
 
 
 def _norm_bwd(call, residuals, cotangents):
-  kept, r, scale = residuals
+  # The barrier keeps XLA from sharing the forward's float32 n = s r with this one: it
+  # would store it (4 bytes per element) for the backward instead of recomputing it from
+  # the 2-byte s (see fp8jax.ops.gelu).
+  kept, r, scale = jax.lax.optimization_barrier(residuals)
   g_s, g_y, _ = cotangents  # the amax is not differentiated
   n = (saved_activations.restore(kept) if call.save_fp8 else kept.astype(jnp.float32) * r)
   g = g_y.astype(jnp.float32)

@@ -43,8 +43,12 @@ from fp8jax.core.quantize import max_by_bits, saturate_cast, scale_from_amax
 GROUP = 128
 PREFIX = "fp8jax_saved/"
 # The ops whose saved activations are named, and the FP8 GEMM inputs `fp8_dot_general`
-# keeps ("dense_x": x^T of each projection).
+# keeps ("dense_x": the FP8 copy of each projection's input its wgrad GEMM reads).
 OPS = ("norm", "gelu", "attention_out", "dense_x")
+# The float32[] zero the input's cast hands the output gradient's cast to accumulate its
+# amax into (delayed scaling): a projection's backward reads it beside the FP8 input, and
+# recomputing it would recompute the cast.
+GRAD_AMAX_SEED = f"{PREFIX}dense_x/grad_amax_seed"
 
 
 class SavedFp8(NamedTuple):
@@ -70,9 +74,17 @@ def save(x: jax.Array, op: str, group: int = GROUP) -> SavedFp8:
   Returns:
     `SavedFp8`, both arrays named for `op` (see `policy`).
   """
-  q, scale_inv = quantize_groups(x, group)
+  return SavedFp8(*named(*quantize_groups(x, group), op))
+
+
+def named(q: jax.Array, scale_inv: jax.Array, op: str) -> tuple[jax.Array, jax.Array]:
+  """`q` and `scale_inv` named as `op`'s saved FP8 copy, so that `policy()` keeps them.
+
+  Returns:
+    (q, scale_inv), the same arrays (a name is an identity outside `jax.checkpoint`).
+  """
   q_name, s_name = names(op)
-  return SavedFp8(checkpoint_name(q, q_name), checkpoint_name(scale_inv, s_name))
+  return checkpoint_name(q, q_name), checkpoint_name(scale_inv, s_name)
 
 
 def quantize_groups(x: jax.Array, group: int = GROUP) -> tuple[jax.Array, jax.Array]:
@@ -128,8 +140,14 @@ def policy(offload: bool = False):
 
   Under `jax.checkpoint(f, policy=policy())` (or `nn.remat(..., policy=policy())`) the
   backward pass reuses the FP8 copies of the norm, GELU and attention-output inputs and
-  of each FP8 projection's input, and recomputes the rest of `f` (elementwise work,
-  bf16 intermediates) from `f`'s inputs.
+  of each FP8 projection's input (`fp8_dot_general`, `fp8_dense` and `fp8_einsum`: the
+  copy its wgrad GEMM reads, with its descale and, under delayed scaling, the float32[]
+  zero its output gradient's amax accumulates into), and recomputes the rest of `f`
+  (elementwise work, bf16 intermediates, the FP8 copies of the weights) from `f`'s inputs.
+  A weight's FP8 copy under a per-tensor recipe (delayed or current scaling) is cast by a
+  kernel that also reads its GEMM's input, for its sharding (FSDP gathers the FP8 copy):
+  recomputing the copy recomputes that input where nothing keeps it (an MLP's GELU output,
+  with the up projection before it).
 
   Args:
     offload: move the saved arrays to pinned host memory between the passes (on a GPU)
@@ -138,7 +156,7 @@ def policy(offload: bool = False):
   Returns:
     The policy.
   """
-  all_names = [name for op in OPS for name in names(op)]
+  all_names = [name for op in OPS for name in names(op)] + [GRAD_AMAX_SEED]
   if offload:
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=all_names,

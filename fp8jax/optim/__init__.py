@@ -4,7 +4,10 @@
 
 Both Adam moments of every large leaf are stored as E4M3 codes with a range expansion
 per 1x128 block (`moment_codec`): about 2.1 bytes of optimizer state per parameter
-instead of 8. The layer imports optax and nothing of fp8jax's other layers.
+instead of 8. The layer imports optax and, of fp8jax, only `fp8jax.mesh` (to read a leaf's
+sharding on explicit meshes). The state may come back from a container in nodes of its own
+(Flax's `nnx.Optimizer` hands each moment back as an `nnx.State`): the optimizer reads the
+moments by their fields.
 """
 from fp8jax.optim.adam import (MomentStorage, ScaleByAdamFp8State, adam, adamw,
                                scale_by_adam_fp8)

@@ -15,6 +15,7 @@ arrays that `fp8jax.checkpoint` saves bit for bit.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -32,8 +33,11 @@ class MomentStorage:
   """How Adam's moments are stored (a static, hashable configuration).
 
   Attributes:
-    block: elements per block along each leaf's last axis (one expansion per block). With
-      a sharded last axis, each device's share must be a multiple of it.
+    block: elements per block along each leaf's last axis (one expansion per block). Any
+      sharding of that axis works: where a device holds less than a block (or a share
+      that is not a multiple of one) on an explicit mesh, the blocks' extremes are
+      gathered (a `gcd(share, block)`-th of the leaf) and the stored moments stay those
+      of one device.
     k_max: the largest expansion exponent (see `fp8jax.optim.moment_codec`).
     second_moment_rounding: "stochastic" (default; unbiased, see the codec's docstring for
       why round-to-nearest stalls v at b2 = 0.999) or "nearest".
@@ -71,24 +75,48 @@ class ScaleByAdamFp8State(NamedTuple):
   nu: Any
 
 
-def _is_moment(x) -> bool:
-  return isinstance(x, Fp8Moment)
+def _as_moment(stored, where: str) -> Fp8Moment:
+  """A stored moment as an `Fp8Moment`.
+
+  Containers of optimizer state may hand it back in nodes of their own: Flax's
+  `nnx.Optimizer` stores the state returned by each update through `nnx.state`, which turns
+  every `Fp8Moment` into a `State` mapping its field names to its arrays. Which leaves are
+  stored in FP8 follows from their shapes (`MomentStorage.stores`), not from this class.
+  """
+  if isinstance(stored, Fp8Moment):
+    return stored
+  if isinstance(stored, Mapping) and set(stored) == set(Fp8Moment._fields):
+    return Fp8Moment(**{field: stored[field] for field in Fp8Moment._fields})
+  raise TypeError(
+      f"The optimizer state's moment at {where} should be an fp8jax.optim.Fp8Moment (or a "
+      f"mapping of its fields {Fp8Moment._fields}), got {type(stored).__name__}: pass the "
+      "state this optimizer's init or update returned, made with the same MomentStorage.")
+
+
+def _refuse_mu_dtype(mu_dtype) -> None:
+  if mu_dtype is not None:
+    raise ValueError(
+        f"mu_dtype={mu_dtype!r}: fp8jax.optim stores the first moment of each large leaf in "
+        "FP8 and of the others in float32, whatever mu_dtype says; leave it None and set "
+        "the storage with MomentStorage, or use optax's optimizer for a mu_dtype of yours.")
 
 
 def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                      eps_root: float = 0.0, *,
-                      storage: MomentStorage = MomentStorage(),
-                      nesterov: bool = False) -> optax.GradientTransformation:
+                      eps_root: float = 0.0, mu_dtype: None = None, *,
+                      nesterov: bool = False,
+                      storage: MomentStorage = MomentStorage()) -> optax.GradientTransformation:
   """`optax.scale_by_adam` with both moments stored in FP8 (`MomentStorage`).
 
   Args:
-    b1, b2, eps, eps_root, nesterov: as for `optax.scale_by_adam`.
+    b1, b2, eps, eps_root, nesterov: as for `optax.scale_by_adam` (same order).
+    mu_dtype: must be None (the moments' storage is `storage`'s); any other value raises.
     storage: how the moments are stored.
 
   Returns:
     An `optax.GradientTransformation` whose state is a `ScaleByAdamFp8State`; the updates
     have the gradients' shapes and dtypes.
   """
+  _refuse_mu_dtype(mu_dtype)
   if not isinstance(storage, MomentStorage):
     raise TypeError(f"storage must be a fp8jax.optim.MomentStorage, got {storage!r}.")
 
@@ -97,20 +125,23 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       return moment.astype(jnp.float32)
     return encode(moment, block=storage.block, k_max=storage.k_max, key=rounding_key)
 
-  def load(stored):
-    if _is_moment(stored):
-      return decode(stored, block=storage.block)
-    return stored
+  def load(stored, like, where):
+    if not storage.stores(like):
+      return stored
+    return decode(_as_moment(stored, where), block=storage.block)
 
   def init_fn(params):
-    zeros = lambda p: store(jnp.zeros(jnp.shape(p), jnp.float32), p, None)
+    # zeros_like: on an explicit mesh the moments take their parameter's sharding.
+    zeros = lambda p: store(jnp.zeros_like(p, jnp.float32), p, None)
     return ScaleByAdamFp8State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
                                nu=jax.tree.map(zeros, params))
 
   def update_fn(updates, state, params=None):
     del params
     count_inc = numerics.safe_increment(state.count)
-    leaves, treedef = jax.tree.flatten(updates)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
+    leaves = [leaf for _, leaf in paths_and_leaves]
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
     step_key = jax.random.fold_in(jax.random.key(storage.seed), count_inc)
@@ -118,8 +149,8 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     for index, (g, mu_stored, nu_stored) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
       g32 = g.astype(jnp.float32)
       # optax's order of operations, so that float32 leaves match optax bit for bit.
-      mu = (1 - b1) * g32 + b1 * load(mu_stored)
-      nu = (1 - b2) * (g32 ** 2) + b2 * load(nu_stored)
+      mu = (1 - b1) * g32 + b1 * load(mu_stored, g, f"mu{paths[index]}")
+      nu = (1 - b2) * (g32 ** 2) + b2 * load(nu_stored, g, f"nu{paths[index]}")
       mu_hat = _bias_corrected(mu, b1, count_inc)
       if nesterov:
         mu_hat = (b1 * _bias_corrected(mu, b1, numerics.safe_increment(count_inc))
@@ -141,28 +172,34 @@ def _bias_corrected(moment, decay, count):
 
 
 def adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
-         eps: float = 1e-8, eps_root: float = 0.0, *,
-         storage: MomentStorage = MomentStorage(),
-         nesterov: bool = False) -> optax.GradientTransformation:
+         eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: None = None, *,
+         nesterov: bool = False,
+         storage: MomentStorage = MomentStorage()) -> optax.GradientTransformation:
   """`optax.adam` with FP8 moments: `chain(scale_by_adam_fp8, scale_by_learning_rate)`.
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, nesterov: as for `optax.adam` (same order).
+    mu_dtype: must be None (the moments' storage is `storage`'s); any other value raises.
+    storage: how the moments are stored (`MomentStorage`).
 
   Returns:
     An `optax.GradientTransformation`.
   """
   return optax.chain(
-      scale_by_adam_fp8(b1, b2, eps, eps_root, storage=storage, nesterov=nesterov),
+      scale_by_adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, storage=storage),
       optax.scale_by_learning_rate(learning_rate))
 
 
 def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 1e-4,
-          mask: Any = None, *, storage: MomentStorage = MomentStorage(),
-          nesterov: bool = False) -> optax.GradientTransformation:
-  """`optax.adamw` with FP8 moments.
+          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: None = None,
+          weight_decay: float = 1e-4, mask: Any = None, *, nesterov: bool = False,
+          storage: MomentStorage = MomentStorage()) -> optax.GradientTransformation:
+  """`optax.adamw` with FP8 moments: the same parameters in the same order.
 
   Args:
     learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov: as for
-      `optax.adamw`.
+      `optax.adamw`, so `adamw(1e-3, 0.9, 0.95, 1e-8, 0.0, None, 0.1)` binds as there.
+    mu_dtype: must be None (the moments' storage is `storage`'s); any other value raises.
     storage: how the moments are stored (`MomentStorage`).
 
   Returns:
@@ -170,6 +207,6 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
     `chain(scale_by_adam_fp8, add_decayed_weights, scale_by_learning_rate)`.
   """
   return optax.chain(
-      scale_by_adam_fp8(b1, b2, eps, eps_root, storage=storage, nesterov=nesterov),
+      scale_by_adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, storage=storage),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))

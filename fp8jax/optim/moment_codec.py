@@ -3,7 +3,9 @@
 A moment leaf of shape `[..., C]` is stored as `Fp8Moment(codes, k, offset)`: `codes`
 float8_e4m3fn of the leaf's own shape (so it shards exactly as the parameter), and two
 float32 numbers per block of `block` consecutive elements along the last axis
-(`[..., ceil(C / block)]`: same rank, same PartitionSpec).
+(`[..., ceil(C / block)]`: same rank, same PartitionSpec; on an explicit mesh whose devices
+each hold less than a block of the last axis, that axis of `k` and `offset` is replicated).
+The stored numbers do not depend on the sharding.
 
 Why a range expansion (COAT, Xi et al. 2024): inside a block the magnitudes of Adam's
 moments span a few decades, while E4M3 has 3 mantissa bits over 15 binades of normal
@@ -35,10 +37,13 @@ bit for bit, and the bits do not depend on sharding.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fp8jax.mesh import explicit
 
 E4M3 = jnp.float8_e4m3fn
 _E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
@@ -62,27 +67,92 @@ class Fp8Moment(NamedTuple):
   offset: jax.Array
 
 
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-  """x [..., C] as [..., ceil(C / block), block], the last block padded with zeros (which
-  change neither a block's max nor its smallest nonzero magnitude)."""
-  columns = x.shape[-1]
-  padded = -(-columns // block) * block
-  if padded != columns:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - columns)])
-  return x.reshape(*x.shape[:-1], padded // block, block)
+class _Layout(NamedTuple):
+  """A leaf's last axis viewed as [..., groups, group] for the per-block statistics.
+
+  A group is a block, or on an explicit mesh whose devices each hold less than a block (or
+  a share that is not a multiple of one), the `gcd(share, block)` columns that lie in one
+  block on one device. Each device then reduces its own groups, the groups' extremes (a
+  `group`-th of the leaf) are gathered to make each block's, and each block's expansion is
+  sliced back to the groups: the stored blocks, and every number in them, are those of one
+  device.
+  """
+
+  block: int
+  group: int
+  columns: int
+  split: Any  # the mesh axes that split the last axis on an explicit mesh, else None
+
+  @property
+  def groups_per_block(self) -> int:
+    return self.block // self.group
+
+  @property
+  def blocks(self) -> int:
+    return -(-self.columns // self.block)
 
 
-def _unblocks(blocked: jax.Array, columns: int) -> jax.Array:
-  return blocked.reshape(*blocked.shape[:-2], -1)[..., :columns]
+def _layout(x: jax.Array, block: int) -> _Layout:
+  columns, split = x.shape[-1], explicit.explicit_spec(x)[-1]
+  if split is None:
+    return _Layout(block, block, columns, None)
+  mesh_shape = jax.typeof(x).sharding.mesh.shape
+  shards = math.prod(mesh_shape[name] for name in (split if isinstance(split, tuple) else (split,)))
+  # JAX shards evenly, so `columns` is a multiple of `shards`, and of `block` when a
+  # share is (then the groups are the blocks and nothing is gathered).
+  return _Layout(block, math.gcd(columns // shards, block), columns, split)
+
+
+def _view(x: jax.Array, layout: _Layout) -> jax.Array:
+  """x [..., C] as [..., C / group, group]; without groups, the last block padded with zeros
+  (which change neither a block's max nor its smallest nonzero magnitude)."""
+  if layout.group == layout.block:
+    padded = layout.blocks * layout.block
+    if padded != layout.columns:
+      x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - layout.columns)])
+    return x.reshape(*x.shape[:-1], layout.blocks, layout.block)
+  spec = explicit.explicit_spec(x)
+  return explicit.reshape(x, (*x.shape[:-1], layout.columns // layout.group, layout.group),
+                          (*spec[:-1], layout.split, None))
+
+
+def _unview(viewed: jax.Array, layout: _Layout) -> jax.Array:
+  return viewed.reshape(*viewed.shape[:-2], -1)[..., :layout.columns]
+
+
+def _group_to_block(stat: jax.Array, layout: _Layout, reduce, neutral: float) -> jax.Array:
+  """Each block's extreme [..., blocks] from its groups' [..., C / group]."""
+  per = layout.groups_per_block
+  if per == 1:
+    return stat
+  spec = explicit.explicit_spec(stat)
+  gathered = _resharded(stat, (*spec[:-1], None))
+  padding = layout.blocks * per - stat.shape[-1]
+  gathered = jnp.pad(gathered, [(0, 0)] * (stat.ndim - 1) + [(0, padding)],
+                     constant_values=neutral)
+  return reduce(gathered.reshape(*stat.shape[:-1], layout.blocks, per), axis=-1)
+
+
+def _block_to_group(stat: jax.Array, layout: _Layout) -> jax.Array:
+  """Each group's [..., C / group, 1] copy of its block's number [..., blocks]."""
+  per = layout.groups_per_block
+  if per > 1:
+    spec = explicit.explicit_spec(stat)
+    repeated = jnp.broadcast_to(stat[..., None], (*stat.shape, per))
+    repeated = repeated.reshape(*stat.shape[:-1], -1)[..., :layout.columns // layout.group]
+    stat = _resharded(repeated, (*spec[:-1], layout.split))
+  return stat[..., None]
 
 
 def encode(x: jax.Array, *, block: int, k_max: float, key: jax.Array | None = None) -> Fp8Moment:
   """`x` (float32 [..., C]) as an `Fp8Moment`; stochastic rounding with `key`, else to nearest."""
-  blocked = _blocks(x.astype(jnp.float32), block)
-  magnitude = jnp.abs(blocked)
+  layout = _layout(x, block)
+  grouped = _view(x.astype(jnp.float32), layout)
+  magnitude = jnp.abs(grouped)
   nonzero = magnitude > 0
-  largest = jnp.max(magnitude, axis=-1, keepdims=True)
-  smallest = jnp.min(jnp.where(nonzero, magnitude, jnp.inf), axis=-1, keepdims=True)
+  largest = _group_to_block(jnp.max(magnitude, axis=-1), layout, jnp.max, 0.0)
+  smallest = _group_to_block(jnp.min(jnp.where(nonzero, magnitude, jnp.inf), axis=-1),
+                             layout, jnp.min, jnp.inf)
   any_nonzero = largest > 0
   log_b = jnp.log2(jnp.where(any_nonzero, largest, 1.0))
   log_a = jnp.log2(jnp.where(any_nonzero, smallest, 1.0))
@@ -94,28 +164,46 @@ def encode(x: jax.Array, *, block: int, k_max: float, key: jax.Array | None = No
   center = 0.5 * (log_a + log_b)
   log_shift = k * (log_b - center) - _LOG2_MAX
   log_x = jnp.log2(jnp.where(nonzero, magnitude, 1.0))
-  y = jnp.where(nonzero, jnp.exp2(k * (log_x - center) - log_shift), 0.0)
+  y = jnp.where(nonzero, jnp.exp2(_block_to_group(k, layout)
+                                  * (log_x - _block_to_group(center, layout))
+                                  - _block_to_group(log_shift, layout)), 0.0)
   y = jnp.minimum(y, _E4M3_MAX)  # float32 rounding of the exp2 may land a hair above 448
-  codes = _round_to_e4m3(y, key) if key is not None else y.astype(E4M3)
-  codes = jnp.where(blocked < 0, -codes.astype(jnp.float32), codes.astype(jnp.float32))
+  if key is None:
+    codes = y.astype(E4M3)
+  else:
+    # Drawn in the leaf's own shape: the bits of an element do not depend on the layout.
+    draw = jax.random.uniform(key, x.shape, jnp.float32, out_sharding=_sharding(x))
+    codes = _round_to_e4m3(y, _view(draw, layout))
+  codes = jnp.where(grouped < 0, -codes.astype(jnp.float32), codes.astype(jnp.float32))
   offset = k * center + log_shift
-  return Fp8Moment(codes=_unblocks(codes.astype(E4M3), x.shape[-1]), k=k[..., 0],
-                   offset=offset[..., 0])
+  return Fp8Moment(codes=_unview(codes.astype(E4M3), layout), k=k, offset=offset)
 
 
 def decode(moment: Fp8Moment, *, block: int) -> jax.Array:
   """The float32 moment an `Fp8Moment` holds."""
-  codes = _blocks(moment.codes.astype(jnp.float32), block)
+  layout = _layout(moment.codes, block)
+  codes = _view(moment.codes.astype(jnp.float32), layout)
   magnitude = jnp.abs(codes)
   log_q = jnp.log2(jnp.where(magnitude > 0, magnitude, 1.0))
-  value = jnp.exp2((log_q + moment.offset[..., None]) / moment.k[..., None])
+  value = jnp.exp2((log_q + _block_to_group(moment.offset, layout))
+                   / _block_to_group(moment.k, layout))
   value = jnp.where(magnitude > 0, jnp.where(codes < 0, -value, value), 0.0)
-  return _unblocks(value, moment.codes.shape[-1])
+  return _unview(value, layout)
 
 
-def _round_to_e4m3(y: jax.Array, key: jax.Array) -> jax.Array:
+def _resharded(x: jax.Array, spec) -> jax.Array:
+  return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(*spec)))
+
+
+def _sharding(x: jax.Array):
+  """x's sharding where it is part of its type (explicit meshes), else None."""
+  return jax.typeof(x).sharding if explicit.is_explicitly_sharded(x) else None
+
+
+def _round_to_e4m3(y: jax.Array, draw: jax.Array) -> jax.Array:
   """y (float32, 0 <= y <= 448) to E4M3, stochastically: the upper of the two neighbouring
-  codes with probability (y - lower) / (upper - lower), so E[code] = y."""
+  codes with probability (y - lower) / (upper - lower), so E[code] = y (`draw`: uniform
+  [0, 1) numbers of y's shape)."""
   nearest = y.astype(E4M3)
   bits = jax.lax.bitcast_convert_type(nearest, jnp.uint8).astype(jnp.int32)
   # Non-negative E4M3 codes are ordered like their bit patterns (0x00 .. 0x7E = 448).
@@ -126,7 +214,6 @@ def _round_to_e4m3(y: jax.Array, key: jax.Array) -> jax.Array:
   upper = _from_bits(upper_bits)
   gap = upper - lower
   p_up = jnp.where(gap > 0, (y - lower) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  draw = jax.random.uniform(key, y.shape, jnp.float32)
   chosen = jnp.where(draw < p_up, upper_bits, jnp.maximum(lower_bits, 0))
   return jax.lax.bitcast_convert_type(chosen.astype(jnp.uint8), E4M3)
 

@@ -1,13 +1,13 @@
 """`fp8jax calibrate`: FP8 state for a bf16 checkpoint, so FP8 training starts without a spike.
 
-A bf16 run has no FP8 state. Continuing it in FP8 from fresh state starts every
-scale at 1: until the amax histories fill, activations, weights and gradients
-are cast with scales that do not fit them (small gradients flush to zero,
-large activations saturate). Calibration runs `steps` forward and backward
-passes on the run's next training batches that only record amaxes (the
-parameters and the optimizer state are not touched), then closes each step as
-training would, and saves a checkpoint with the same parameters, optimizer
-state and step, and the filled FP8 state.
+A bf16 run has no FP8 state. Continuing it in FP8 from fresh state would start every
+scale at 1 (small gradients flush to zero, large activations saturate); `fp8jax train
+--init-from` therefore calibrates a fresh state on its first batch (one history entry).
+This command fills more of the history ahead: it runs `steps` calibration steps
+(`fp8jax.calibrate`: forward and backward with every tensor scaled from itself, the
+parameters and the optimizer state not touched) on the run's next training batches,
+each closed as training would, and saves a checkpoint with the same parameters,
+optimizer state and step, and the filled FP8 state.
 """
 from __future__ import annotations
 

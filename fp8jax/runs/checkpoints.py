@@ -66,7 +66,7 @@ def check_same_run(path, config: RunConfig) -> None:
   """Raises RunError unless `config` continues the run that wrote checkpoint `path`: the
   same model, data, optimizer and recipe (the step count and intervals may differ)."""
   saved, _ = saved_config(path)
-  for field in MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS + ("recipe",):
+  for field in MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS + ("recipe", "fp8_layers"):
     if getattr(saved, field) != getattr(config, field):
       raise RunError(
           f"checkpoint {str(path)!r} is from a run with {field}={getattr(saved, field)!r}, "
@@ -98,6 +98,11 @@ def restore(path, config: RunConfig, corpus, continuing: bool):
           f"checkpoint {str(path)!r} is from a run with {field}={getattr(saved, field)!r}, "
           f"this run has {field}={getattr(config, field)!r}; pass the same "
           f"--{field.replace('_', '-')} (or start another --out directory).")
+  if saved.recipe_object is not None and config.recipe_object is not None and (
+      saved.fp8_layers != config.fp8_layers):
+    raise RunError(f"checkpoint {str(path)!r} holds the FP8 state of --fp8-layers "
+                   f"{saved.fp8_layers} and this run is --fp8-layers {config.fp8_layers}; pass "
+                   f"--fp8-layers {saved.fp8_layers} (or --recipe bf16).")
   if corpus.description["sha256"] != _metadata(path).get("corpus_sha256"):
     raise RunError(f"checkpoint {str(path)!r} was trained on other text than this run's "
                    "corpus (its sha256 differs); pass the same --data.")

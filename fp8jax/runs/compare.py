@@ -5,14 +5,18 @@ Every run uses the same settings, seed and data (only the recipe differs), in
 
     {"config": {...}, "runs": [{"recipe", "final_loss", "rel_gap_vs_bf16", "val_loss",
                                 "tokens_per_s", "step_time_s", "attention_backend"}, ...],
-     "versions": {"python", "jax", "jaxlib", "flax", "optax", "numpy"}, "files": [...]}
+     "versions": {"python", "jax", "jaxlib", "flax", "optax", "numpy"},
+     "machine": {"device", "cpu", "cores", "isa", "xla_flags"},
+     "corpus": {"source", "python_version", "sha256"}, "files": [...]}
 
 with `final_loss` the mean training loss over the last 10% of steps and
-`rel_gap_vs_bf16 = final_loss / bf16's final_loss - 1`, `versions` the Python and
-library versions the comparison ran on (a recorded result is only reproducible with
-them), and `files` what was written; drawn as `<out>/compare.png` (loss curves) and
-`<out>/fp8_scales.png` (per-layer scales over the steps of the first FP8 run),
-when matplotlib is installed.
+`rel_gap_vs_bf16 = final_loss / bf16's final_loss - 1`. A recorded result is reproduced
+bit for bit only with the same `versions` (Python and libraries), `machine` (on a CPU,
+the processor: XLA compiles for its instruction set; `fp8jax.runs.machine`) and `corpus`
+(the sha256 of the bytes trained on: the standard library differs between Python builds).
+`files` is what was written; drawn as `<out>/compare.png` (loss curves) and
+`<out>/fp8_scales.png` (per-layer scales over the steps of the first FP8 run), when
+matplotlib is installed.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import json
 import pathlib
 import platform
 
-from fp8jax.runs import checkpoints, metrics, plots
+from fp8jax.runs import checkpoints, machine, metrics, plots
 from fp8jax.runs.config import RunConfig, RunError
 from fp8jax.runs.train import RunResult, train
 
@@ -82,7 +86,10 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   settings = {k: v for k, v in config.to_dict().items() if k != "recipe"}
   if settings.get("schedule_steps") == config.steps:
     settings["schedule_steps"] = None  # the default (the run's steps), as a fresh run says
-  report = {"config": settings, "runs": runs, "versions": _versions()}
+  corpus = json.loads((results["bf16"].out_dir / "run.json").read_text())["corpus"]
+  report = {"config": settings, "runs": runs, "versions": _versions(),
+            "machine": machine.describe(),
+            "corpus": {key: corpus.get(key) for key in ("source", "python_version", "sha256")}}
   curves = {recipe: [result.out_dir / metrics.FILE] for recipe, result in results.items()}
   written = [plots.loss_curves(curves, out_dir / "compare.png")]
   fp8_runs = [r for r in recipes if r != "bf16"]

@@ -14,8 +14,9 @@ import dataclasses
 
 import fp8jax
 from fp8jax.core.recipes import import_recipe_class
-from fp8jax.models import gpt
+from fp8jax.models import gpt, gpt_fp8_layers
 
+#: The demo's recipes by name (`--recipe`); "bf16" is no recipe.
 RECIPES = {
     "bf16": None,
     "delayed": fp8jax.DelayedScaling(amax_history_len=16),
@@ -112,6 +113,9 @@ class RunConfig:
     experts: 0 for the dense GPT, or E >= 1: each block's MLP a dropless mixture of E
       experts (`fp8jax.models.gpt_moe`), whose expert GEMMs run in FP8 under the recipe.
     top_k: with experts, the experts each token is routed to (1 <= top_k <= experts).
+    fp8_layers: under an FP8 recipe, which projections run in FP8: "all", or "auto"
+      (where the cost model predicts FP8 no slower than bf16 on an H100;
+      `GptConfig.fp8_layers`).
   """
 
   recipe: str = "delayed"
@@ -134,6 +138,7 @@ class RunConfig:
   saved_activations: str = "default"
   experts: int = 0
   top_k: int = 2
+  fp8_layers: str = "all"
 
   def __post_init__(self):
     self.recipe_object  # builds the recipe: RunError for options it does not take
@@ -144,6 +149,9 @@ class RunConfig:
     if self.saved_activations not in gpt.SAVED_ACTIVATIONS:
       raise RunError(f"--saved-activations {self.saved_activations!r} is not one of "
                      f"{list(gpt.SAVED_ACTIVATIONS)}.")
+    if self.fp8_layers not in gpt_fp8_layers.FP8_LAYERS:
+      raise RunError(f"--fp8-layers {self.fp8_layers!r} is not one of "
+                     f"{list(gpt_fp8_layers.FP8_LAYERS)}.")
     for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "checkpoint_every",
                  "max_data_bytes"):
       value = getattr(self, name)

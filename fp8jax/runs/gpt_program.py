@@ -4,6 +4,7 @@
                          optimizer="adamw_fp8", saved_activations="fp8")
     time, memory, attention = measure(program)      # one deviceless compile
     batch, memory = largest_batch(program, capacity=80 * GIB)
+    state_bytes(program)    # params, optimizer and FP8 state: the least any batch needs
 
 The step is the demo's own (`fp8jax.runs.steps.train_step_for`: `fp8jax.value_and_grad`,
 the demo's clipped AdamW, params, optimizer state and FP8 state donated), compiled from
@@ -14,7 +15,9 @@ fp8jax's Hopper flash kernel stands in, and `measure` returns that choice with i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,8 @@ class GptProgram:
     saved_activations: "default" or "fp8" (`GptConfig.saved_activations`).
     experts, top_k: the MLP of each block as a mixture of `experts` experts, each token
       routed to `top_k` (`GptConfig.experts`; 0 keeps the dense MLP).
+    fp8_layers: "all" or "auto", the projections that run in FP8 under the recipe
+      (`GptConfig.fp8_layers`).
   """
 
   size: str
@@ -54,6 +59,7 @@ class GptProgram:
   saved_activations: str = "default"
   experts: int = 0
   top_k: int = 2
+  fp8_layers: str = "all"
 
   def __post_init__(self):
     if self.size not in gpt.SIZES:
@@ -79,12 +85,14 @@ class GptProgram:
     parts = [self.recipe, self.optimizer]
     if self.saved_activations != "default":
       parts.append(f"{self.saved_activations} saved")
+    if self.fp8_layers != "all" and self.recipe != "bf16":
+      parts.append(f"{self.fp8_layers} FP8 layers")
     return ", ".join(parts)
 
   def config(self) -> gpt.GptConfig:
     return gpt.config_for(self.size, seq_len=self.seq,
                           saved_activations=self.saved_activations, experts=self.experts,
-                          top_k=self.top_k)
+                          top_k=self.top_k, fp8_layers=self.fp8_layers)
 
 
 def train_step(program: GptProgram):
@@ -133,11 +141,35 @@ def measure(program: GptProgram, *, target: str = "deviceless",
   return time, memory, attention_choice(program, target)
 
 
+@functools.lru_cache(maxsize=8)
+def state_bytes(program: GptProgram) -> int:
+  """Bytes of the step's parameters, optimizer state and FP8 state, from their shapes (no
+  compile): what the device holds at any batch before the first activation."""
+  _, (params, opt_state, fp8_state, _) = train_step(program)
+  return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize
+             for leaf in jax.tree.leaves((params, opt_state, fp8_state)))
+
+
 def largest_batch(program: GptProgram, capacity: int = H100_MEMORY, *,
-                  target: str = "deviceless") -> tuple[int, MemoryReport | None]:
-  """The largest batch of `program`'s step that fits `capacity` bytes (by compiles)."""
+                  target: str = "deviceless",
+                  on_compile: Callable[[int, MemoryReport], None] | None = None,
+                  ) -> tuple[int, MemoryReport | None]:
+  """The largest batch of `program`'s step that fits `capacity` bytes (by compiles).
+
+  Args:
+    on_compile: called with (batch, its report) after each compile (a progress bar).
+
+  Returns:
+    (batch, its report); (0, None) when not even a batch of 1 fits, at once (no compile)
+    when the step's state alone (`state_bytes`) exceeds `capacity`.
+  """
+  if state_bytes(program) > capacity:
+    return 0, None
 
   def at(batch: int) -> MemoryReport:
-    return measure(dataclasses.replace(program, batch=batch), target=target)[1]
+    report = measure(dataclasses.replace(program, batch=batch), target=target)[1]
+    if on_compile is not None:
+      on_compile(batch, report)
+    return report
 
   return memory_lib.largest_batch(at, capacity)

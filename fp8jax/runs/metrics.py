@@ -3,8 +3,9 @@
 A step's line holds `step`, `loss`, `lr`, `grad_norm`, `step_time_s`,
 `tokens_per_s`, for an MoE model `aux_loss` (the load-balancing loss summed over the
 layers; `loss` is the cross-entropy alone) and, in FP8, `fp8`: per FP8 layer and
-role the step's `amax` and the `scale` for the next step (lists: one entry per layer
-for layers under `nn.scan`, and per expert after it for the expert GEMMs' weights).
+role the step's `amax` and the `scale` for the next step (flat lists: one entry per layer
+for layers under `nn.scan`, and per expert after it for the expert GEMMs' weights), and
+the `shape` they were flattened from ([], [layers] or [layers, experts]).
 An evaluation adds a line `{"step", "val_loss"}`.
 
 A run with telemetry (`train(..., telemetry_every=N)`) adds at its logging
@@ -73,7 +74,8 @@ def fp8_records(fp8_state) -> dict:
       fp8_state, is_leaf=lambda n: isinstance(n, fp8jax.Fp8Meta))
   for path, meta in jax.device_get(metas):
     records[_path_name(path)] = {"amax": np.ravel(meta.amax_history[..., 0]).tolist(),
-                                 "scale": np.ravel(meta.scale).tolist()}
+                                 "scale": np.ravel(meta.scale).tolist(),
+                                 "shape": list(np.shape(meta.scale))}
   return records
 
 

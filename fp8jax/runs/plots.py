@@ -59,6 +59,25 @@ def loss_curves(runs: dict, path, smooth: int = 10):
   return pathlib.Path(path)
 
 
+def scale_rows(fp8_record: dict) -> tuple[list[str], list[float]]:
+  """The rows of one logged step's FP8 scales (`metrics.fp8_records`): (labels, scales).
+
+  A row per role, and per layer of `nn.scan` and per expert where the scale has those
+  axes: "blocks/mlp/w_in_meta/kernel [layer 1, expert 3]". A record written without its
+  `shape` numbers its entries instead.
+  """
+  names, values = [], []
+  for name, record in fp8_record.items():
+    scales = record["scale"]
+    shape = record.get("shape", [len(scales)] if len(scales) > 1 else [])
+    for index in np.ndindex(*shape):
+      where = ", ".join(f"{axis} {i}" for axis, i in zip(
+          ("layer", "expert") if "shape" in record else ("entry",), index))
+      names.append(f"{name} [{where}]" if where else name)
+    values += scales
+  return names, values
+
+
 def scale_heatmap(metrics_path, path, title: str = "FP8 scales"):
   """log2 of every FP8 role's scale (rows: layer and role) over the steps (columns)."""
   plt = _pyplot()
@@ -67,12 +86,8 @@ def scale_heatmap(metrics_path, path, title: str = "FP8 scales"):
   lines = [line for line in metrics.read(metrics_path) if "fp8" in line]
   if not lines:
     return None
-  names = []
-  for name, record in lines[0]["fp8"].items():
-    names += [name] if len(record["scale"]) == 1 else [
-        f"{name}[{i}]" for i in range(len(record["scale"]))]
-  grid = np.array([[s for record in line["fp8"].values() for s in record["scale"]]
-                   for line in lines]).T
+  names = scale_rows(lines[0]["fp8"])[0]
+  grid = np.array([scale_rows(line["fp8"])[1] for line in lines]).T
   fig, ax = plt.subplots(figsize=(9, max(3.0, 0.18 * len(names) + 1.5)))
   image = ax.imshow(np.log2(grid), aspect="auto", interpolation="nearest", cmap="viridis",
                     extent=(lines[0]["step"] - 0.5, lines[-1]["step"] + 0.5, len(names) - 0.5,

@@ -62,10 +62,11 @@ def _key(config: RunConfig) -> tuple:
 
 
 def model_config(config: RunConfig) -> gpt.GptConfig:
-  """The `GptConfig` of a run: its size, sequence length, saved activations and experts."""
+  """The `GptConfig` of a run: its size, sequence length, saved activations, experts and
+  FP8 layers."""
   return gpt.config_for(config.size, seq_len=config.seq,
                         saved_activations=config.saved_activations, experts=config.experts,
-                        top_k=config.top_k)
+                        top_k=config.top_k, fp8_layers=config.fp8_layers)
 
 
 @functools.lru_cache(maxsize=8)
@@ -162,11 +163,13 @@ def train_step_for(model, tx: optax.GradientTransformation, fp8: bool) -> Callab
 
 
 def calibration_step(config: RunConfig) -> Callable:
-  """The jitted step of `fp8jax calibrate`: `(params, fp8_state, tokens) -> fp8_state`.
+  """The jitted calibration step of a run: `(params, fp8_state, tokens) -> fp8_state`.
 
-  The train step's forward and backward pass (the amaxes they record, the same FP8
-  state as the train step returns) without the parameter update; it donates the FP8
-  state only, so the same params serve every calibration step.
+  `fp8jax.calibrate` of the train step's loss: its forward and backward pass with every
+  delayed role scaling from the tensor itself, closed into one history entry each,
+  without the parameter update. A run calibrates its fresh FP8 state once on its first
+  batch (`fp8jax.runs.train`); `fp8jax calibrate` runs it on a bf16 checkpoint. It
+  donates the FP8 state only, so the same params serve every calibration step.
   """
   model = _build(*_key(config))[0]
   return _calibration_step(model)
@@ -174,13 +177,7 @@ def calibration_step(config: RunConfig) -> Callable:
 
 @functools.lru_cache(maxsize=8)
 def _calibration_step(model):
-  loss_fn = _loss(model, fp8=True)
-
-  @functools.partial(jax.jit, donate_argnums=(1,))
-  def calibrate(params, fp8_state, tokens):
-    return fp8jax.value_and_grad(loss_fn, has_aux=True)(params, fp8_state, tokens)[2]
-
-  return calibrate
+  return jax.jit(fp8jax.calibrate(_loss(model, fp8=True), has_aux=True), donate_argnums=(1,))
 
 
 # optax.global_norm is deprecated in favour of optax.tree.norm, which older optax lacks.

@@ -29,12 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8jax.core.calibration import is_fresh
 from fp8jax.data import corpus as corpus_lib
 from fp8jax.models import gpt
 from fp8jax.runs import checkpoints, metrics
 from fp8jax.runs.config import RunConfig, RunError
-from fp8jax.runs.steps import (build, compiled_steps, init_state, model_config, state_stats,
-                               telemetry_step)
+from fp8jax.runs.steps import (build, calibration_step, compiled_steps, init_state,
+                               model_config, state_stats, telemetry_step)
 
 
 class RunInterrupted(Exception):
@@ -104,6 +105,8 @@ def train(config: RunConfig, out_dir, *, resume: bool = False, init_from=None,
     init_from: start a new run from another run's checkpoint (e.g. a bf16 run's,
       to continue in FP8): its params and optimizer state, its FP8 state when it
       has one of this recipe, else fresh FP8 state; counting continues from its step.
+      A fresh delayed-scaling state is calibrated on the first batch before the first
+      step (`fp8jax.calibrate`: its first scales come from that batch's tensors).
     progress: show a progress bar (a str: with this label instead of the recipe's name).
     stop_after: stop after this step (and its checkpoint, if one is due) as if
       killed: for tests.
@@ -150,6 +153,8 @@ def train(config: RunConfig, out_dir, *, resume: bool = False, init_from=None,
       params, opt_state, fp8_state = init_state(model, tx, config)
       start = 0
     history = []
+    if is_fresh(fp8_state):  # delayed scaling: seed the scales the first step uses
+      fp8_state = calibration_step(config)(params, fp8_state, _batch(corpus, config, start + 1))
   if start >= config.steps:
     raise RunError(f"the checkpoint is at step {start}, which is not before --steps "
                    f"{config.steps}; ask for more steps.")
@@ -221,8 +226,7 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
   with (out_dir / metrics.FILE).open("a") as log:
     try:
       for step in range(start + 1, config.steps + 1):
-        batch = jnp.asarray(corpus_lib.train_batch(corpus.train, step, config.batch,
-                                                   config.seq, config.seed))
+        batch = _batch(corpus, config, step)
         logging = log_step is not None and (
             step % telemetry_every == 0 or step in (start + 1, config.steps))
         if logging:  # the operands as this step quantizes them: before it runs
@@ -271,6 +275,12 @@ def _loop(config, out_dir, corpus, state, start, history, progress, stop_after,
                    tokens_per_s=tokens_per_step / step_time if step_times else math.nan,
                    step_time_s=step_time, attention_backend=backend, checkpoint=newest,
                    peak_memory_bytes=peak_device_memory())
+
+
+def _batch(corpus, config: RunConfig, step: int) -> jax.Array:
+  """The tokens [batch, seq + 1] that training step `step` (from 1) trains on."""
+  return jnp.asarray(corpus_lib.train_batch(corpus.train, step, config.batch, config.seq,
+                                            config.seed))
 
 
 def peak_device_memory() -> int | None:

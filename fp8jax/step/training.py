@@ -27,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fp8jax.core.calibration import calibrated, calibrating
 from fp8jax.core.meta import check_fp8_state, is_meta
 from fp8jax.mesh.axes import AxisName, normalize_axis_name, vary_like, varying_axes
 from fp8jax.ops import weight_reuse
@@ -81,6 +82,42 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
       return value, grads, close_step(forward, cotangent), _any_amax_not_finite(
           (forward, cotangent))
     return value, grads, close_step(forward, cotangent)
+
+  return wrapped
+
+
+def calibrate(loss_fn: Callable, has_aux: bool = False,
+              axis_name: AxisName = None) -> Callable:
+  """Wraps `loss_fn` to return FP8 state seeded from one forward and backward pass.
+
+  Run it once on a training batch before the first step of a fresh delayed-scaling
+  state (and again after `fp8jax.resize_history` or any change that leaves a history
+  empty). A fresh state casts with scale 1, which flushes small gradients to zero
+  (and every GEMM behind them) and rounds small activations coarsely, so its first
+  steps would train on wrong gradients until the histories fill. Calibration runs the
+  loss's forward and backward pass with every delayed role scaling from the tensor it
+  casts (`fp8jax.core.calibration.Calibrating`), records each role's amax and closes
+  the step as `value_and_grad` does: each history gets one entry and its next scale,
+  the one the first training step then uses. Parameters are not touched and the
+  gradients are not computed past what the amaxes need (under `jit` XLA drops the
+  weight-gradient GEMMs). Roles whose recipe scales from the tensor anyway (current,
+  per-row, per-block) record an entry like any step. The train step's compiled
+  program is unchanged: calibration is a program of its own, run once.
+
+  Args:
+    loss_fn: as for `value_and_grad` (the train step's own loss function).
+    has_aux: whether the loss comes with auxiliary data.
+    axis_name: as for `value_and_grad`.
+
+  Returns:
+    A function `(params, fp8_state, *args) -> calibrated_fp8_state`, structured like
+    `fp8_state`.
+  """
+  step = value_and_grad(loss_fn, has_aux=has_aux, axis_name=axis_name)
+
+  def wrapped(params, fp8_state, *args):
+    _, _, seeded = step(params, calibrating(fp8_state), *args)
+    return calibrated(seeded)
 
   return wrapped
 

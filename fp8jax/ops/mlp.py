@@ -1,0 +1,168 @@
+"""`fp8_mlp`: two FP8 projections with a GELU between them, the GELU done by the FP8 casts.
+
+    y, meta_in, meta_out = fp8_mlp(x, w_in, w_out, meta_in, meta_out)
+    # y = gelu(x @ w_in) @ w_out:  x [..., D], w_in [D, F], w_out [F, N], y [..., N]
+
+Math (GELU: tanh approximation, `pallas_kernels.activations`):
+
+    h  = q(x) . q(w_in)             the first projection, in x's dtype
+    a  = gelu(h)                    float32
+    y  = q(a) . q(w_out)            the second projection, in x's dtype
+    backward, g = dL/dy:
+    da = q(g) . q(w_out)^T          dgrad of the second projection
+    dh = da gelu'(h)                float32
+    dx = q(dh) . q(w_in)^T,  dw_in = q(x)^T . q(dh),  dw_out = q(a)^T . q(g)
+
+with each `q` the role's FP8 cast under its `DotMeta` (as `fp8jax.fp8_dot_general`).
+
+What this saves over `fp8_dense(gelu(fp8_dense(x, w_in)), w_out)`: there the GELU writes
+`a` in bf16 and the second projection's cast reads it back; the GELU's backward writes
+`dh` in bf16 and the first projection's gradient cast reads it back. Here the second
+projection's cast makes gelu(h) from h itself, and the first projection's gradient cast
+makes da gelu'(h) from da and h (`fp8jax.ops.fused_kernels.cast_in_chain`'s prologue):
+two launches and 8 bytes per element of [tokens, F] a step (the 350m GPT: 2.4 ms of its
+step on an H100). Only h is kept for the backward (in bf16, or in FP8 with
+`save_fp8=True`, as `fp8jax.ops.gelu`), beside what the two projections keep.
+
+Numerics: a and dh are cast to FP8 from float32, not rounded to bf16 first (in the
+composition they are), and their amaxes are those of the float32 values. Their
+scales are known before they exist only under delayed scaling, so the fused form runs
+where both projections take fp8jax's lean matrix path under a delayed-scaling recipe;
+elsewhere (current scaling, per-row and per-block recipes, high-precision GEMMs, an
+explicitly sharded or shard_map-varying operand, weight reuse) `fp8_mlp` is that
+composition, with the same state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels.activations as activations
+from fp8jax.core.meta import DotMeta, amaxes_unbatched_like, check_dot_meta
+from fp8jax.core.validation import check_floating
+from fp8jax.mesh import explicit as explicit_mesh
+from fp8jax.mesh.axes import varying_axes
+from fp8jax.ops import saved_activations, weight_reuse
+from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
+from fp8jax.ops.gelu import gelu
+from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
+
+ACTIVATIONS = ("gelu",)
+
+
+def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
+            meta_out: DotMeta, *, activation: str = "gelu",
+            save_fp8: bool = False) -> tuple[jax.Array, DotMeta, DotMeta]:
+  """`gelu(x @ w_in) @ w_out` with both matmuls in FP8 and the GELU done by their casts.
+
+  Args:
+    x: [..., D] floating, the input.
+    w_in: [D, F] floating, the first projection's kernel.
+    w_out: [F, N] floating, the second projection's kernel.
+    meta_in, meta_out: the two projections' `DotMeta`s.
+    activation: "gelu" (the tanh approximation).
+    save_fp8: keep the GELU's input for the backward in FP8 (`fp8jax.ops.saved_activations`)
+      instead of in x's dtype.
+
+  Returns:
+    (y [..., N] in x's dtype, new meta_in, new meta_out), each meta with this use's amaxes.
+  """
+  check_floating(x, "x")
+  check_floating(w_in, "w_in")
+  check_floating(w_out, "w_out")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}.")
+  if x.ndim < 1 or w_in.ndim != 2 or w_out.ndim != 2:
+    raise ValueError(f"fp8_mlp wants x [..., D], w_in [D, F] and w_out [F, N]; got x {x.shape}, "
+                     f"w_in {w_in.shape} and w_out {w_out.shape}.")
+  if x.shape[-1] != w_in.shape[0] or w_in.shape[1] != w_out.shape[0]:
+    raise ValueError(f"the shapes do not chain: x {x.shape} . w_in {w_in.shape} . w_out "
+                     f"{w_out.shape}; x's last dimension must be w_in's first and w_in's last "
+                     "w_out's first.")
+  for name, meta in (("meta_in", meta_in), ("meta_out", meta_out)):
+    refuse_split_state(meta, name)
+    check_dot_meta(meta, name)
+  if meta_in.recipe != meta_out.recipe:
+    raise ValueError(f"meta_in follows {meta_in.recipe} and meta_out {meta_out.recipe}; the "
+                     "two projections of one fp8_mlp share a recipe.")
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  layouts = _fused_layouts(x, w_in, w_out, meta_in, dims)
+  if layouts is None:
+    h, meta_in = fp8_dot_general(x, w_in, meta_in, dims)
+    y, meta_out = fp8_dot_general(gelu(h, save_fp8=save_fp8), w_out, meta_out, dims)
+    return y, meta_in, meta_out
+  check_threaded(meta_in, "fp8_mlp")
+  check_threaded(meta_out, "fp8_mlp")
+  with reverse_mode_only("fp8jax.fp8_mlp", "jnp.dot and jax.nn.gelu"):
+    return _mlp(x, w_in, w_out, meta_in, meta_out,
+                _Static(*layouts, jnp.dtype(w_in.dtype), jnp.dtype(w_out.dtype),
+                        bool(save_fp8)))
+
+
+def _fused_layouts(x, w_in, w_out, meta, dims):
+  """(layout_in, layout_out) when the fused form runs (see the module), else None."""
+  recipe = meta.recipe
+  if recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision:
+    return None
+  if varying_axes(x, w_in, w_out) or weight_reuse.current() is not None:
+    return None
+  if explicit_mesh.is_explicitly_sharded(x, w_in, w_out):
+    return None
+  layout_in = matrix_layout(dims, x.shape, w_in.shape)
+  h_shape = x.shape[:-1] + (w_in.shape[1],)
+  layout_out = matrix_layout(dims, h_shape, w_out.shape)
+  if layout_in is None or layout_out is None:
+    return None
+  return layout_in, layout_out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  layout_in: MatrixLayout
+  layout_out: MatrixLayout
+  w_in_dtype: jnp.dtype
+  w_out_dtype: jnp.dtype
+  save_fp8: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x, w_in, w_out, meta_in, meta_out, static):
+  return _forward(x, w_in, w_out, meta_in, meta_out, static)[0]
+
+
+def _forward(x, w_in, w_out, meta_in, meta_out, static):
+  # The projections' kernels are named "up" and "down" in the program (their op names,
+  # which `fp8jax inspect` and `fp8jax cost` read), as `Fp8Mlp` names their variables.
+  with jax.named_scope("up"):
+    h, new_in, residuals_in = matrix_fwd(x, w_in, meta_in, None, static.layout_in)
+  with jax.named_scope("down"):
+    y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, None, static.layout_out,
+                                           x_prologue=activations.GELU)
+  kept = saved_activations.save(h, "gelu") if static.save_fp8 else h
+  # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
+  outputs = (y, amaxes_unbatched_like(meta_in, new_in), amaxes_unbatched_like(meta_out, new_out))
+  return outputs, (residuals_in, residuals_out, kept)
+
+
+def _backward(static, residuals, cotangents):
+  residuals_in, residuals_out, kept = residuals
+  g, cotangent_in, cotangent_out = cotangents
+  with jax.named_scope("down"):
+    da, dw_out, grad_out = matrix_bwd(static.layout_out, residuals_out, g,
+                                      cotangent_out.grad, static.w_out_dtype)
+  h = saved_activations.restore(kept, da.dtype) if static.save_fp8 else kept
+  with jax.named_scope("up"):
+    dx, dw_in, grad_in = matrix_bwd(static.layout_in, residuals_in, da, cotangent_in.grad,
+                                    static.w_in_dtype, g_prologue=activations.GELU_BACKWARD,
+                                    g_prologue_inputs=(h,))
+  meta_in = amaxes_unbatched_like(cotangent_in,
+                                  dataclasses.replace(cotangent_in, grad=grad_in))
+  meta_out = amaxes_unbatched_like(cotangent_out,
+                                   dataclasses.replace(cotangent_out, grad=grad_out))
+  return dx, dw_in, dw_out, meta_in, meta_out
+
+
+_mlp.defvjp(_forward, _backward)

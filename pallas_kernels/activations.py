@@ -1,0 +1,69 @@
+"""Elementwise functions a cast kernel applies to its tile before quantizing it.
+
+The cast-transpose kernel (`pallas_kernels.cast_transpose`) can take the tensor it
+casts as the output of an elementwise function of tensors it reads (`Prologue`): the
+GELU of a GEMM's output, or the GELU's backward of an output gradient. Then the
+function's result is never written in bf16 for the cast to read back: one pass over the
+inputs writes the FP8 copies and the amax of the result. The functions here are that
+math, in float32, written once for the kernels and for fp8jax's jnp ops
+(`fp8jax.ops.gelu`), so both compute the same numbers.
+
+GELU, tanh approximation (`jax.nn.gelu(h, approximate=True)`):
+
+    u = c (h + a h**3),  c = sqrt(2 / pi),  a = 0.044715
+    gelu(h)  = h (1 + tanh u) / 2
+    gelu'(h) = (1 + tanh u) / 2 + h (1 - tanh(u)**2) c (1 + 3 a h**2) / 2
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+
+
+def gelu_tanh(h: jax.Array) -> jax.Array:
+  """gelu(h), tanh approximation, in float32 (h float32)."""
+  return 0.5 * h * (1.0 + jnp.tanh(GELU_C * (h + GELU_A * h * h * h)))
+
+
+def gelu_tanh_derivative(h: jax.Array) -> jax.Array:
+  """gelu'(h), tanh approximation, in float32 (h float32)."""
+  t = jnp.tanh(GELU_C * (h + GELU_A * h * h * h))
+  return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * h * h)
+
+
+def gelu_tanh_backward(g: jax.Array, h: jax.Array) -> jax.Array:
+  """dh = g gelu'(h) in float32: the backward of `gelu_tanh` (g, h float32)."""
+  return g * gelu_tanh_derivative(h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+  """An elementwise function a cast kernel applies before it quantizes (static).
+
+  Attributes:
+    fn: float32 tiles -> the float32 tile to cast: `fn(x)` with `inputs` 0, else
+      `fn(x, *others)`. `fn` of zeros must be 0 (a masked edge tile reads zeros).
+    inputs: how many more tensors of x's shape it reads (0 or 1).
+  """
+
+  fn: Callable[..., jax.Array]
+  inputs: int = 0
+
+  def __post_init__(self):
+    if not callable(self.fn):
+      raise TypeError(f"Prologue.fn={self.fn!r} must be a function of float32 tiles.")
+    if self.inputs not in (0, 1):
+      raise ValueError(f"Prologue.inputs={self.inputs!r} must be 0 or 1.")
+
+
+# The prologues fp8jax's ops use: the GELU before a projection's cast, and its backward
+# before the cast of the projection's output gradient before it.
+GELU = Prologue(gelu_tanh)
+GELU_BACKWARD = Prologue(gelu_tanh_backward, inputs=1)

@@ -1,0 +1,263 @@
+"""`fp8_mlp` and `Fp8Mlp`: the GELU done by the FP8 casts around it.
+
+The cast kernel with a prologue runs in the Pallas interpreter against its plain-jnp
+definition (bit for bit) and against float64 numpy; `fp8_mlp` against the composition it
+replaces, `fp8_dense(gelu(fp8_dense(x, w_in)), w_out)`, which tests/test_dense_numerics.py
+holds to float64: in float32 the two are the same arithmetic (the composition's GELU is
+float32 too, so nothing is rounded to bf16 between them), so they must agree bit for bit,
+forward, backward and state. The test marked `hopper` compiles for an H100 without a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+import pallas_kernels
+from fp8jax import deviceless
+from fp8jax.flax.linen import Fp8Dense
+from fp8jax.flax.linen_mlp import Fp8Mlp
+from fp8jax.lowering.cost import cost
+from fp8jax.ops import fused_kernels
+from fp8jax.ops.gelu import gelu
+from fp8jax.ops.mlp import fp8_mlp
+from fp8_reference import FORMAT_TABLE, quantize_reference
+from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
+                            cast_transpose_amax_in_chain_reference)
+from pallas_kernels.activations import GELU, GELU_BACKWARD
+
+BLOCKS = CastTransposeBlockSizes(block_rows=16, block_cols=32)
+DELAYED = fp8jax.DelayedScaling()
+
+
+def _rng(*key) -> np.random.Generator:
+  return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _assert_bitwise(got, want):
+  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got_leaves) == len(want_leaves)
+  for g, w in zip(got_leaves, want_leaves):
+    assert g.shape == w.shape and g.dtype == w.dtype, (g, w)
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def _gelu64(h):
+  c, a = math.sqrt(2 / math.pi), 0.044715
+  return 0.5 * h * (1 + np.tanh(c * (h + a * h**3)))
+
+
+def _gelu64_derivative(h):
+  c, a = math.sqrt(2 / math.pi), 0.044715
+  t = np.tanh(c * (h + a * h**3))
+  return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * a * h * h)
+
+
+@pytest.mark.parametrize("shape", [(100, 72), (256, 128)], ids=["ragged", "aligned"])
+@pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu_backward"])
+def test_a_cast_with_a_prologue_is_bitwise_its_definition_and_near_float64(shape, backward):
+  rng = _rng("prologue", shape, backward)
+  h = jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16)
+  g = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  x, prologue, inputs, fmt = ((g, GELU_BACKWARD, (h,), jnp.float8_e5m2) if backward
+                              else (h, GELU, (), jnp.float8_e4m3fn))
+  fp8_max = float(jnp.finfo(fmt).max)
+  scale = jnp.float32(fp8_max / 16)
+  args = dict(fp8_dtype=fmt, fp8_max=fp8_max, prologue=prologue, prologue_inputs=inputs,
+              tile_amaxes=True, seeds=1, block_sizes=BLOCKS)
+  got = cast_transpose_amax_in_chain(x, scale, None, interpret=True, **args)
+  want = cast_transpose_amax_in_chain_reference(x, scale, None, **args)
+  _assert_bitwise(got, want)
+  # Against float64: the function in float64, then the format's rounding (tests/
+  # fp8_reference.py). The kernel evaluates the function in float32, where 1 + tanh(u)
+  # and 1 - tanh(u)**2 cancel for large |h|: its value is off by up to
+  # (|h| + 2 |g| (1 + |h| (1 + 3 a h**2))) float32 ulps of 1 (2**-23 each; the GELU's
+  # term is |h| of them, its derivative's the rest). Where that moves a value across a
+  # rounding boundary of the FP8 grid the element is off by that error plus one grid
+  # step (2**-3 relative in E4M3, 2**-2 in E5M2, or the subnormal step).
+  h64, g64 = np.asarray(h, np.float64), np.asarray(g, np.float64)
+  value64 = g64 * _gelu64_derivative(h64) if backward else _gelu64(h64)
+  ulps = (2 * np.abs(g64) * (1 + np.abs(h64) * (1 + 3 * 0.044715 * h64**2)) if backward
+          else np.abs(h64))
+  float32_error = ulps * 2.0**-23 * float(scale)
+  name = "e5m2" if backward else "e4m3"
+  expected = quantize_reference(value64, float(scale), name)
+  q = np.asarray(got.q, np.float64)
+  table = FORMAT_TABLE[name]
+  step = np.maximum(np.maximum(np.abs(expected), np.abs(q)) * 2.0**-table["mantissa_bits"],
+                    table["min_subnormal"])
+  assert np.all(np.abs(q - expected) <= step + float32_error)
+  # Where the float32 error is negligible, only values at a rounding boundary differ.
+  clean = float32_error < step * 2.0**-8
+  assert clean.mean() > 0.5 and np.mean((q != expected)[clean]) < 1e-3
+  np.testing.assert_array_equal(np.asarray(got.q_t, np.float64), q.T)
+  # The amax is the float32 function's: max|value| within its float32 error.
+  amax = float(jnp.max(got.amax))
+  assert abs(amax - np.max(np.abs(value64))) <= np.max(float32_error) / float(scale) + 2.0**-20
+
+
+def _problem(dtype, seed=0):
+  rng = _rng("mlp", seed)
+  x = jnp.asarray(rng.standard_normal((2, 48, 96)), dtype)
+  w_in = jnp.asarray(rng.standard_normal((96, 160)) / math.sqrt(96), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((160, 80)) / math.sqrt(160), jnp.float32)
+  target = jnp.asarray(rng.standard_normal((2, 48, 80)), jnp.float32)
+  return x, w_in, w_out, target
+
+
+def _warm(recipe, scales):
+  """A meta whose delayed scales are set (as after warm-up), one per role."""
+  meta = fp8jax.init_dot_meta(recipe)
+  return dataclasses.replace(meta, **{role: getattr(meta, role).with_scale(s)
+                                      for role, s in zip(("x", "kernel", "grad"), scales)})
+
+
+def _steps(fn, recipe, dtype, steps=2):
+  """`steps` jitted value_and_grad steps of loss = sum(y * target) through `fn`: the loss,
+  the gradients of x and both kernels, and the FP8 state, of every step."""
+  x, w_in, w_out, target = _problem(dtype)
+  state = {"in": _warm(recipe, (60.0, 200.0, 3000.0)),
+           "out": _warm(recipe, (100.0, 300.0, 2000.0))}
+
+  def loss(params, state, factor):
+    y, meta_in, meta_out = fn(params["x"] * factor.astype(dtype), params["in"],
+                              params["out"], state["in"], state["out"])
+    return jnp.sum(y.astype(jnp.float32) * target), {"in": meta_in, "out": meta_out}
+
+  params = {"in": w_in, "out": w_out, "x": x}
+  factor = jnp.float32(1)
+  step = jax.jit(fp8jax.value_and_grad(loss)).lower(params, state, factor).compile(
+      compiler_options={"xla_allow_excess_precision": False})
+  trajectory = []
+  for i in range(steps):
+    loss_value, grads, state = step(params, state, jnp.float32(i + 1))
+    trajectory.append((loss_value, grads, state))
+  return trajectory
+
+
+def _composition(x, w_in, w_out, meta_in, meta_out):
+  h, meta_in = fp8jax.fp8_dense(x, w_in, None, meta_in)
+  y, meta_out = fp8jax.fp8_dense(gelu(h), w_out, None, meta_out)
+  return y, meta_in, meta_out
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
+                         ids=["delayed-fused", "current-composed"])
+def test_fp8_mlp_is_bitwise_the_composition_in_float32(recipe):
+  (loss, grads, state), = _steps(fp8_mlp, recipe, jnp.float32, steps=1)
+  (want_loss, want_grads, want_state), = _steps(_composition, recipe, jnp.float32, steps=1)
+  _assert_bitwise((loss, grads), (want_loss, want_grads))
+  # The state: the same, but the two programs fuse the float32 GELU differently.
+  _assert_state_close(state, want_state)
+  # Every role recorded an amax, the output gradients' in the backward pass.
+  for meta in jax.tree.leaves(state, is_leaf=fp8jax.core.meta.is_meta):
+    assert float(meta.amax_history[0]) > 0
+
+
+@pytest.fixture
+def interpreted_kernels(monkeypatch):
+  """fp8jax's fused kernels chosen on CPU too, run by the Pallas interpreter."""
+  for name in ("cast_transpose_amax_in_chain", "close_steps"):
+    monkeypatch.setattr(pallas_kernels, name,
+                        functools.partial(getattr(pallas_kernels, name), interpret=True))
+  monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
+
+
+def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request):
+  """bf16 activations, the prologue casts on the Pallas kernels (interpreted) against the
+  jnp path a CPU runs."""
+  want = _steps(fp8_mlp, DELAYED, jnp.bfloat16)
+  request.getfixturevalue("interpreted_kernels")
+  got = _steps(fp8_mlp, DELAYED, jnp.bfloat16)
+  for (loss, grads, state), (want_loss, want_grads, want_state) in zip(got, want):
+    _assert_bitwise((loss, grads), (want_loss, want_grads))
+    _assert_state_close(state, want_state)
+
+
+def _assert_state_close(state, want):
+  """The same FP8 state, but for the last bit of an amax (and a scale made from it): the
+  kernel's float32 GELU and the jnp path's XLA fusion may contract multiply-adds
+  differently, which can round the largest value of a tensor one ulp apart."""
+  for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2.0**-22, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(activation="relu"), "activation='relu' is not one of"),
+    (dict(w_in=jnp.zeros((95, 160))), "the shapes do not chain"),
+    (dict(w_out=jnp.zeros((160, 80, 1))), "w_out \\[F, N\\]"),
+    (dict(meta_out=fp8jax.init_dot_meta(fp8jax.CurrentScaling())), "share a recipe"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, message):
+  x, w_in, w_out, _ = _problem(jnp.float32)
+  args = dict(x=x, w_in=w_in, w_out=w_out, meta_in=fp8jax.init_dot_meta(DELAYED),
+              meta_out=fp8jax.init_dot_meta(DELAYED))
+  args.update(kwargs)
+  activation = args.pop("activation", "gelu")
+  with pytest.raises(ValueError, match=message):
+    fp8_mlp(**args, activation=activation)
+
+
+class _DensePair(nn.Module):
+  """The same MLP written with two `Fp8Dense` layers and the GELU between them."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = Fp8Dense(160, use_bias=False, name="up")(x)
+    return Fp8Dense(80, use_bias=False, name="down")(gelu(h))
+
+
+def test_fp8_mlp_layer_keeps_its_params_and_state_where_a_dense_pair_does():
+  x, *_ = _problem(jnp.float32)
+  mlp = Fp8Mlp(hidden=160, features=80)
+  variables = mlp.init(jax.random.key(0), x)
+  pair = _DensePair().init(jax.random.key(1), x)
+  assert jax.tree.structure(variables) == jax.tree.structure(pair)
+  assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, pair)
+  # Loaded into either, the same variables give the same output and state.
+  y, new = mlp.apply(pair, x, mutable=["fp8_meta"])
+  y_pair, new_pair = _DensePair().apply(pair, x, mutable=["fp8_meta"])
+  _assert_bitwise((y, new), (y_pair, new_pair))
+
+
+_MISSING = deviceless.deviceless_toolchain_missing()
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_h100_mlp_step_writes_no_activation_or_its_gradient_in_bf16():
+  """On an H100 the GELU and its backward run inside the casts: besides the six GEMMs,
+  the step launches the six casts (x, both weights, the activation; both output
+  gradients) and the state update, and no other kernel moves a [tokens, F] tensor."""
+  tokens, d, f = 8192, 512, 2048
+  params = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),  # x too: its gradient runs
+            jax.ShapeDtypeStruct((d, f), jnp.float32), jax.ShapeDtypeStruct((f, d), jnp.float32))
+  meta = jax.eval_shape(lambda: fp8jax.init_dot_meta(DELAYED))
+
+  def loss(params, state):
+    y, meta_in, meta_out = fp8_mlp(*params, state["in"], state["out"])
+    return jnp.mean(y.astype(jnp.float32) ** 2), {"in": meta_in, "out": meta_out}
+
+  report = cost(fp8jax.value_and_grad(loss), params, {"in": meta, "out": meta},
+                target="deviceless")
+  casts = [k for k in report.kernels if "cast_transpose_amax" in k.op_name]
+  assert len(casts) == 6 and len([k for k in report.kernels if k.is_gemm]) == 6, report.table()
+  hidden = tokens * f * 2  # one [tokens, F] tensor in bf16
+  movers = [k for k in report.kernels if not k.is_gemm and k not in casts
+            and k.bytes_in + k.bytes_out >= hidden]
+  assert not movers, report.table()
+  # The activation's cast reads h once; the gradient's reads da and h.
+  assert sorted(k.bytes_in // hidden for k in casts if k.bytes_in >= hidden) == [1, 2]
