@@ -1,14 +1,16 @@
 """The measured attention speeds fp8jax selects backends by, derived from a GPU benchmark.
 
     python -m benchmarks.attention_speeds benchmarks/results/h100_attention.json \
-        [--gpu-tests gpu_tests.json] [--failed-check fp8/pallas_hopper_fp8 ...]
+        [--gpu-tests gpu_tests.json] [--failed-check fp8/pallas_hopper_fp8 ...] \
+        [--tuning benchmarks/results/h100_attention_tuning.json]
 
 writes `fp8jax/ops/attention_speeds.json` (the table `fp8jax.ops.attention_backend`
 reads; its docstring describes the layout) from one attention benchmark JSON
 (`python -m benchmarks.attention`, or the attention.json of `benchmarks.gpu_check`,
-which also writes the derived table beside it). Commit the benchmark JSON under
-benchmarks/results/ with the table: a test re-derives the table from the source it
-names.
+which also writes the derived table beside it) and, with --tuning, the Hopper kernels'
+tuned tiles from `python -m benchmarks.attention --tune` (the gpu_check's
+attention_tuning.json). Commit the JSON files under benchmarks/results/ with the table:
+a test re-derives the table from the sources it names.
 """
 from __future__ import annotations
 
@@ -74,9 +76,19 @@ def table_from_results(attention: dict, gpu_tests: dict | None = None, *,
   return {gpu_arch: table}
 
 
-def speeds_file(source: str, measured: dict, failed_checks: tuple[str, ...]) -> dict:
+def tuned_from_tuning(tuning: dict, gpu_arch: str = "sm_90") -> dict:
+  """The "tuned" table ({gpu_arch: {precision: {mask: {head_dim: tiles}}}}) from one
+  tuning JSON (`python -m benchmarks.attention --tune`); {} for a smoke run."""
+  if tuning.get("smoke"):
+    return {}
+  return {gpu_arch: tuning["best"]} if tuning["best"] else {}
+
+
+def speeds_file(source: str, measured: dict, failed_checks: tuple[str, ...],
+                tuning_source: str | None = None, tuned: dict | None = None) -> dict:
   """The contents of `fp8jax/ops/attention_speeds.json`."""
-  return {"source": source, "failed_checks": list(failed_checks), "measured": measured}
+  return {"source": source, "failed_checks": list(failed_checks), "measured": measured,
+          "tuning_source": tuning_source, "tuned": tuned or {}}
 
 
 def main(argv=None) -> int:
@@ -86,6 +98,8 @@ def main(argv=None) -> int:
   parser.add_argument("--gpu-tests", help="gpu_tests.json of the same benchmarks.gpu_check run")
   parser.add_argument("--failed-check", action="append", default=[],
                       help="a row (precision/backend) a separate GPU check found wrong")
+  parser.add_argument("--tuning", help="the tuning JSON (python -m benchmarks.attention --tune) "
+                      "whose best tiles the Hopper backends should run with")
   parser.add_argument("--gpu-arch", default="sm_90")
   parser.add_argument("--out", default=str(attention_backend.SPEEDS_FILE))
   args = parser.parse_args(argv)
@@ -94,8 +108,11 @@ def main(argv=None) -> int:
   failed = tuple(args.failed_check)
   measured = table_from_results(attention, gpu_tests, gpu_arch=args.gpu_arch,
                                 failed_checks=failed)
+  tuned = (tuned_from_tuning(json.loads(pathlib.Path(args.tuning).read_text()), args.gpu_arch)
+           if args.tuning else {})
   out = pathlib.Path(args.out)
-  out.write_text(json.dumps(speeds_file(args.source, measured, failed), indent=1) + "\n")
+  out.write_text(json.dumps(speeds_file(args.source, measured, failed, args.tuning, tuned),
+                            indent=1) + "\n")
   print(f"wrote {out}")
   return 0
 

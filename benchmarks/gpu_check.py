@@ -24,8 +24,19 @@ Sections, in this order (each writes one JSON into --out; summary.json lists the
                 and 8192, delayed and current scaling, each step timed alone (wall clock)
                 and in one call of several steps (device time) -> dense.json
   attention     benchmarks.attention: every backend, bf16 and FP8, causal and not, speed and
-                numerics -> attention.json; and the backend table fp8jax selects from,
+                numerics (jax's cuDNN FP8 attention with calibrated and with unit scales
+                among them) -> attention.json; and the backend table fp8jax selects from,
                 derived from it and the tests -> attention_speeds.json
+  attention_accuracy  benchmarks.attention_accuracy: the Hopper FP8 kernels' error against
+                bf16's reference per scaling mode (per tensor; per block with q and k
+                rotated) on Gaussian, channel-outlier and outlier inputs, Gaussian first,
+                within its time -> attention_accuracy.json
+  attention_tuning  benchmarks.attention --tune: the Hopper kernels' variants (tiles,
+                stages, ping-pong, intra-warpgroup overlap), FP8 first, within the time
+                left (a whole tuning is its own command) -> attention_tuning.json, and the
+                tiles to commit -> attention_tuned.json (`python -m
+                benchmarks.attention_speeds ... --tuning` writes them into
+                fp8jax/ops/attention_speeds.json)
   demo          `fp8jax compare` at a GPU size for a few steps (its table names each run's
                 attention backend) -> demo_compare.json
 
@@ -62,12 +73,17 @@ from benchmarks import gpt_plan
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # In the order they run, which is their priority when time is short (--budget-s).
-SECTIONS = ("tests", "gpt", "moe_gpt", "grouped_gemm", "dense", "attention", "demo")
+SECTIONS = ("tests", "gpt", "moe_gpt", "grouped_gemm", "dense", "attention",
+            "attention_accuracy", "attention_tuning", "demo")
 # What each section took in the first H200 check (benchmarks/results/h200_gpu_check/, and
 # the tests in its rerun, where more of them ran): a section is skipped when this does
 # not fit the time left. The GPT sections plan their rows themselves (benchmarks.gpt_plan).
 SECTION_SECONDS = {"tests": 100, "grouped_gemm": 35, "dense": 120, "attention": 105,
-                   "demo": 41}
+                   "demo": 41,
+                   # Not yet run on a GPU: what their own budgets allow (compiles included).
+                   "attention_accuracy": 45, "attention_tuning": 60}
+# The attention accuracy section's own budget: no configuration starts after it.
+ACCURACY_BUDGET_S = 35.0
 # The GPU tests of the grouped FP8 GEMM kernels (their file in tests/).
 GROUPED_GEMM_TESTS = "test_ragged_matmul"
 
@@ -140,6 +156,28 @@ def run_grouped_gemm(smoke: bool, tests: dict | None) -> dict:
 def run_attention(smoke: bool) -> dict:
   from benchmarks import attention
   return attention.main(["--smoke"] if smoke else ["--repeats", "10"])
+
+
+def run_attention_accuracy(smoke: bool) -> dict:
+  from benchmarks import attention_accuracy
+  if smoke:
+    return attention_accuracy.main(["--smoke", "--inputs", "gaussian,channels", "--masks",
+                                    "none", "--modes", "per_tensor,blocks+rotate"])
+  # Gaussian per tensor first (the benchmark's metric), then what rotation and block
+  # scales buy with outliers; the block-scaled kernels' correctness is a GPU test.
+  return attention_accuracy.main(["--inputs", "gaussian,channels,outliers", "--modes",
+                                  "per_tensor,blocks+rotate",
+                                  "--budget-s", str(ACCURACY_BUDGET_S)])
+
+
+def run_attention_tuning(smoke: bool, seconds_left: float) -> dict:
+  from benchmarks import attention
+  if smoke:
+    return attention.main(["--tune", "--smoke"])
+  # A whole tuning takes minutes (`python -m benchmarks.attention --tune`); the check times
+  # what fits, FP8 first, each pass's default variant before the others.
+  budget = max(10.0, min(90.0, seconds_left - 20.0))
+  return attention.main(["--tune", "--repeats", "5", "--budget-s", str(round(budget))])
 
 
 def run_gpt(smoke: bool, budget) -> dict:
@@ -267,10 +305,17 @@ def main(argv=None) -> int:
     from benchmarks import attention_speeds
     table = attention_speeds.table_from_results(attention, tests)
     (out / "attention_speeds.json").write_text(json.dumps(table, indent=1))
+  accuracy = section("attention_accuracy", lambda: run_attention_accuracy(args.smoke))
+  tuning = section("attention_tuning", lambda: run_attention_tuning(args.smoke, left()))
+  if tuning is not None:
+    from benchmarks import attention_speeds
+    (out / "attention_tuned.json").write_text(
+        json.dumps(attention_speeds.tuned_from_tuning(tuning), indent=1))
   demo = section("demo", lambda: run_demo(args.smoke))
 
   summary["seconds"] = round(time.perf_counter() - start, 1)
   summary["highlights"] = _highlights(tests, dense, grouped, attention, gpt, moe_gpt, demo)
+  summary["highlights"].update(_attention_highlights(accuracy, tuning))
   failed = [n for n, s in summary["sections"].items() if s["status"].startswith("error")]
   if tests is not None and tests["failed"]:
     failed.append("tests: " + ", ".join(t["test"] for t in tests["tests"]
@@ -325,6 +370,22 @@ def _highlights(tests, dense, grouped, attention, gpt, moe_gpt, demo) -> dict:
   if demo is not None:
     found["demo"] = {r["recipe"]: {"tokens_per_s": round(r["tokens_per_s"]),
                                    "attention": r["attention_backend"]} for r in demo["runs"]}
+  return found
+
+
+def _attention_highlights(accuracy, tuning) -> dict:
+  """The FP8 kernels' errors (largest of out, dq, dk, dv) per input kind and mode, and the
+  tuned tiles."""
+  found = {}
+  if accuracy is not None:
+    for result in accuracy["results"]:
+      mask = "causal" if result["causal"] else "none"
+      found[f"attention_fp8_error_{mask}"] = {
+          f"{kind}/{mode}": round(max(errors.values()), 4)
+          for kind, modes in result["errors"].items() for mode, errors in modes.items()
+          if "skipped" not in errors}
+  if tuning is not None:
+    found["attention_tuned"] = tuning["best"]
   return found
 
 

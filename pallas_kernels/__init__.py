@@ -8,7 +8,9 @@
   `hopper_fp8_attention_backward`: FlashAttention-3 style kernels on Hopper tensor cores
   (Mosaic GPU, warp-specialized, TMA-fed `wgmma`, FP8 products in E4M3);
   `HopperAttentionBlockSizes` their tiles; `quantize_gradient` the backward's E4M3
-  cast of dO (for callers that quantize the whole dO before running on shards).
+  cast of dO (for callers that quantize the whole dO before running on shards);
+  `quantize_head_blocks` the E4M3 cast of q, k or v with one current scale per
+  `ATTENTION_SCALE_BLOCK` (128) rows of each head, whose descales the FP8 pair also takes.
 * `cast_transpose_amax`: one pass over a 2-D tensor that writes its FP8 copy, the
   transposed FP8 copy and its amax folded into a running amax (Triton-lowered on GPUs,
   the Pallas interpreter on CPU); `cast_transpose_amax_reference` is its plain-jnp
@@ -63,8 +65,10 @@ from pallas_kernels.flash_attention import (SUPPORTED_HEAD_DIMS, flash_attention
 from pallas_kernels.hopper_attention import (hopper_attention, hopper_bf16_attention_backward,
                                              hopper_bf16_attention_forward,
                                              hopper_fp8_attention_backward,
-                                             hopper_fp8_attention_forward, quantize_gradient)
+                                             hopper_fp8_attention_forward, quantize_gradient,
+                                             quantize_head_blocks)
 from pallas_kernels.hopper_attention_tiling import HopperAttentionBlockSizes
+from pallas_kernels.hopper_attention_tiling import SCALE_BLOCK as ATTENTION_SCALE_BLOCK
 from pallas_kernels.block_scaled_matmul import (BLOCK_SCALED_GEMM_VALIDATED_ON_GPU,
                                                 BlockScaledMatmulBlockSizes,
                                                 block_scaled_matmul,
@@ -85,9 +89,10 @@ __all__ = [
     "cast_transpose_from_amax_reference", "rows_in_use", "tile_count",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
-    "HopperAttentionBlockSizes", "hopper_attention", "hopper_bf16_attention_backward",
-    "hopper_bf16_attention_forward", "hopper_fp8_attention_backward",
-    "hopper_fp8_attention_forward", "quantize_gradient", "running_amax",
+    "ATTENTION_SCALE_BLOCK", "HopperAttentionBlockSizes", "hopper_attention",
+    "hopper_bf16_attention_backward", "hopper_bf16_attention_forward",
+    "hopper_fp8_attention_backward", "hopper_fp8_attention_forward", "quantize_gradient",
+    "quantize_head_blocks", "running_amax",
     "RAGGED_GEMM_VALIDATED_ON_GPU", "RaggedMatmulBlockSizes", "TransposedRaggedMatmulBlockSizes",
     "ragged_matmul", "ragged_matmul_reference", "transposed_ragged_matmul",
     "transposed_ragged_matmul_reference",

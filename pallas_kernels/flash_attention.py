@@ -72,6 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.hopper_attention_tiling import SCALE_BLOCK, HopperAttentionBlockSizes
+
 LOG2E = math.log2(math.e)
 # Masked logits take a large *finite* value: a block whose logits are all
 # masked then has max == MASK_VALUE and exp2(s - max) never meets inf - inf.
@@ -1049,6 +1051,51 @@ def attention_reference(
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def block_descale_rows(descales, q, k):
+  """(descale_q [b, heads, q_len], descale_k, descale_v [b, kv_heads, kv_len]): block
+  descales (one per SCALE_BLOCK rows of each head) expanded to one per row, float32; None
+  when all three are per tensor (size 1). Raises ValueError for other shapes."""
+  if all(math.prod(jnp.shape(d)) == 1 for d in descales):
+    return None
+  batch, q_len, num_heads, _ = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  rows = {"descale_q": (batch, num_heads, _cdiv(q_len, SCALE_BLOCK), q_len),
+          "descale_k": (batch, num_kv_heads, _cdiv(kv_len, SCALE_BLOCK), kv_len),
+          "descale_v": (batch, num_kv_heads, _cdiv(kv_len, SCALE_BLOCK), kv_len)}
+  per_row = []
+  for (name, (*shape, length)), d in zip(rows.items(), descales):
+    if jnp.shape(d) != tuple(shape):
+      raise ValueError(f"{name} has shape {jnp.shape(d)}; block descales are "
+                       f"[batch, heads, ceil(seq / {SCALE_BLOCK})] = {tuple(shape)} "
+                       "(or pass all three descales as scalars).")
+    per_row.append(jnp.repeat(jnp.asarray(d, jnp.float32), SCALE_BLOCK,
+                              axis=2)[..., :length])
+  return tuple(per_row)
+
+
+def _reference_multipliers(sm_scale: float, descales, q, k):
+  """(logit, P and output multipliers) of `fp8_forward_reference`, broadcastable to its
+  logits [b, kv_heads, group, q, kv], to P's keys [b, kv_heads, 1, 1, kv] and to its
+  [b, q, kv_heads, group, d] accumulator."""
+  rows = block_descale_rows(descales, q, k)
+  if rows is None:
+    descales = tuple(_scalar_f32(jnp.reshape(d, ()), name) for d, name in
+                     zip(descales, ("descale_q", "descale_k", "descale_v")))
+    return (_logit_multiplier(sm_scale, descales), jnp.full((1,) * 5, P_SCALE, jnp.float32),
+            descales[2] * (1.0 / P_SCALE))
+  batch, q_len, num_heads, _ = q.shape
+  num_kv_heads = k.shape[2]
+  dq, dk, dv = rows
+  v_max = jnp.max(dv, axis=2, keepdims=True)
+  v_max = jnp.where(v_max > 0, v_max, 1.0)  # [b, kv_heads, 1], as the Hopper wrapper does
+  logit = (jnp.float32(sm_scale * LOG2E)
+           * dq.reshape(batch, num_kv_heads, num_heads // num_kv_heads, q_len, 1)
+           ) * dk[:, :, None, None, :]
+  p = (P_SCALE * (dv / v_max))[:, :, None, None, :]
+  out = (v_max[:, None, :, :, None] * (1.0 / P_SCALE))  # [b, 1, kv_heads, 1, 1]
+  return logit, p, out
+
+
 def fp8_forward_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, *,
     descale_q: jax.Array, descale_k: jax.Array, descale_v: jax.Array,
@@ -1067,11 +1114,21 @@ def fp8_forward_reference(
   weighted by `2^(m_block - m_row)`, so P's E4M3 values equal the kernel's and the
   results differ only by float32 summation order.
 
+  Block descales (one per SCALE_BLOCK = 128 rows of each head) are the Hopper
+  kernel's arithmetic (`pallas_kernels.hopper_attention_forward`): the logits take the
+  query's and the key's block descales, and P is rounded as `P * 256 * r_j`, r_j = the
+  key's V block descale over the largest of its head, the output scaled by that
+  largest / 256.
+
   Args:
     q, k, v: float8_e4m3fn, shapes as for `flash_attention_forward`.
-    descale_q, descale_k, descale_v: float32[] (`x = x_fp8 * descale`).
+    descale_q, descale_k, descale_v: float32 (`x = x_fp8 * descale`): all three scalars
+      (per tensor), or per block of 128 rows of each head: descale_q
+      [batch, num_heads, ceil(q_len / 128)], descale_k and descale_v [batch,
+      num_kv_heads, ceil(kv_len / 128)].
     q_segment_ids, kv_segment_ids, causal, sm_scale: as for `flash_attention_forward`.
-    block_sizes: the kernel's tiles (only block_kv matters); default as the kernel's.
+    block_sizes: the kernel's tiles (only block_kv matters); default as the kernel's
+      (with block descales the Hopper kernel's 128 keys).
 
   Returns:
     `AttentionForward` as the kernel returns it: out bf16, out_amax f32[] = max |O|
@@ -1081,19 +1138,22 @@ def fp8_forward_reference(
   if q.dtype != E4M3:
     raise TypeError(f"fp8_forward_reference takes float8_e4m3fn q, k, v; got {q.dtype}.")
   q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q, k)
+  descales = (descale_q, descale_k, descale_v)
+  if block_sizes is None and not all(math.prod(jnp.shape(d)) == 1 for d in descales):
+    block_sizes = BlockSizes(block_kv=HopperAttentionBlockSizes().block_kv)
   options = _options(q, causal, sm_scale, block_sizes, interpret=False)
-  descales = (_scalar_f32(descale_q, "descale_q"), _scalar_f32(descale_k, "descale_k"),
-              _scalar_f32(descale_v, "descale_v"))
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   block_kv = _fit(options.block_sizes.block_kv, kv_len)
   num_blocks = _cdiv(kv_len, block_kv)
+  logit_multiplier, p_multiplier, out_multiplier = _reference_multipliers(
+      options.sm_scale, descales, q, k)
 
   # [b, kv_heads, group, q, kv]: products of E4M3 values are exact in float32.
   qf = q.astype(jnp.float32).reshape(batch, q_len, num_kv_heads, group, head_dim)
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32),
-                 precision=lax.Precision.HIGHEST) * _logit_multiplier(options.sm_scale, descales)
+                 precision=lax.Precision.HIGHEST) * logit_multiplier
   allowed = _reference_mask(q_len, kv_len, causal, q_seg, kv_seg)[:, :, None]
   s = jnp.where(allowed, s, MASK_VALUE)
   # The kernel's key blocks; keys past kv_len are masked as in its last block.
@@ -1108,13 +1168,17 @@ def fp8_forward_reference(
   p = jnp.where(allowed_blocks, jnp.exp2(s_blocks - m_block[..., None]), 0.0)
   rescale = jnp.exp2(m_block - m_row)[..., None]
   l = jnp.sum(p * rescale, axis=(-2, -1))  # [b, kv_heads, group, q]
-  p8 = (p * P_SCALE).astype(E4M3).astype(jnp.float32) * rescale
+  # P's multiplier per key, in the key blocks' shape (padded keys have p = 0).
+  p_multiplier = jnp.pad(jnp.broadcast_to(p_multiplier, p_multiplier.shape[:-1] + (kv_len,)),
+                         pad, constant_values=P_SCALE).reshape(
+                             *p_multiplier.shape[:-1], num_blocks, block_kv)
+  p8 = (p * p_multiplier).astype(E4M3).astype(jnp.float32) * rescale
   p8 = p8.reshape(*s.shape[:-1], num_blocks * block_kv)[..., :kv_len]
   acc = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
   # l == 0 only for a row with no allowed key: its output is 0, its lse -inf.
   l_safe = jnp.moveaxis(jnp.where(l > 0.0, l, 1.0), 3, 1)[..., None]  # as acc
-  o = acc * ((descales[2] * (1.0 / P_SCALE)) / l_safe)
+  o = acc * (out_multiplier / l_safe)
   o = o.reshape(batch, q_len, num_heads, head_dim)
   lse = (m_row[..., 0] + jnp.log2(l)).reshape(batch, num_heads, q_len) * (1.0 / LOG2E)
   # initial=0: the amax of an empty batch is 0 (nothing observed).

@@ -4,8 +4,9 @@
   `hopper_attention_backward` are its derivative); `hopper_bf16_attention_forward` /
   `hopper_bf16_attention_backward` its two passes alone, for callers that place them.
 * `hopper_fp8_attention_forward` / `hopper_fp8_attention_backward`: the FP8 pair, E4M3
-  inputs with descales; the backward quantizes dO itself (see `hopper_attention_backward`
-  for every operand's format and why).
+  inputs with descales, one per tensor or one per SCALE_BLOCK (128) rows of each head
+  (`quantize_head_blocks` makes them); the backward quantizes dO itself (see
+  `hopper_attention_backward` for every operand's format and why).
 
 Semantics are fp8jax's (fp8jax.ops.attention): GQA (heads a multiple of kv_heads), a
 causal mask aligned bottom-right (query i sees keys j <= i + kv_len - q_len), segment ids
@@ -19,16 +20,18 @@ interpreter (see `mosaic_target`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import hopper_attention_backward, hopper_attention_forward
-from pallas_kernels.hopper_attention_tiling import (E4M3, E4M3_MAX, LOG2E, P_SCALE, SIXTEEN_BIT,
-                                                    HopperAttentionBlockSizes, check_shapes,
-                                                    geometry, safe_lse)
+from pallas_kernels.hopper_attention_tiling import (E4M3, E4M3_MAX, LOG2E, P_SCALE, SCALE_BLOCK,
+                                                    SIXTEEN_BIT, HopperAttentionBlockSizes,
+                                                    check_shapes, geometry, safe_lse)
 from pallas_kernels.mosaic_target import plgpu
 
 
@@ -188,6 +191,70 @@ def _descale(x):
   return jnp.asarray(x, jnp.float32).reshape(())
 
 
+def _with_descales(geo, descales):
+  """`geo`, block-scaled if (descale_q, descale_k, descale_v) are per block (all three
+  scalars: per tensor); raises ValueError for any other shapes."""
+  if all(math.prod(jnp.shape(d)) == 1 for d in descales):
+    return geo
+  expected = ((geo.batch, geo.heads, geo.q_len // SCALE_BLOCK),) + (
+      (geo.batch, geo.kv_heads, geo.kv_len // SCALE_BLOCK),) * 2
+  for name, d, shape in zip(("descale_q", "descale_k", "descale_v"), descales, expected):
+    if jnp.shape(d) != shape:
+      raise ValueError(
+          f"{name} has shape {jnp.shape(d)}: the descales are one per tensor (all three "
+          f"scalars) or one per {SCALE_BLOCK} rows of each head (descale_q {expected[0]}, "
+          f"descale_k and descale_v {expected[1]}; quantize_head_blocks makes them).")
+  return dataclasses.replace(geo, block_scaled=True)
+
+
+def _current_scale(amax):
+  """E4M3_MAX / amax where amax is finite and positive, else 1 (a cast then saturates or
+  passes NaN as the data says, and the scale itself stays finite)."""
+  usable = jnp.isfinite(amax) & (amax > 0)
+  return jnp.where(usable, E4M3_MAX / jnp.where(usable, amax, 1.0), 1.0)
+
+
+def _cast(x, scale):
+  return jnp.clip(x.astype(jnp.float32) * scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def quantize_head_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(x8, descale): x in E4M3 with one current scale per SCALE_BLOCK (128) rows of each head.
+
+  Args:
+    x: [batch, seq, heads, head_dim], any float dtype and any seq (a last partial block
+      has its own scale).
+
+  Returns:
+    x8: float8_e4m3fn, x's shape; descale: float32 [batch, heads, ceil(seq / 128)], so
+    that x ~= x8 * descale of the row's block.
+
+  A block's scale is its head's (the head's amax maps to E4M3's max; a zero or non-finite
+  amax gives scale 1, as in `quantize_gradient`) times the largest power of two 2**k,
+  k <= 64, that keeps the block's amax within E4M3's max: the block's largest value lands
+  in E4M3's top octave, with E4M3's full relative precision, and the blocks' descales
+  differ by exact powers of two. That matters for V: the forward kernel rounds P * 256 *
+  (the block's descale over the head's largest), exactly P * 256 * 2**-k, so a
+  probability of 1 (a row's largest, all of a peaked row's output) stays exact as it is
+  per tensor; an arbitrary ratio would round it (measured: 10% more error with channel
+  outliers).
+  """
+  batch, seq, heads, head_dim = x.shape
+  blocks = -(-seq // SCALE_BLOCK)
+  padded = jnp.pad(jnp.abs(x.astype(jnp.float32)),
+                   ((0, 0), (0, blocks * SCALE_BLOCK - seq), (0, 0), (0, 0)))
+  amax = jnp.max(padded.reshape(batch, blocks, SCALE_BLOCK, heads, head_dim), axis=(2, 4))
+  head_amax = jnp.max(amax, axis=1, keepdims=True)  # [batch, 1, heads]
+  usable = jnp.isfinite(head_amax) & (amax > 0)
+  octaves = jnp.floor(jnp.log2(jnp.where(usable, head_amax, 1.0))
+                      - jnp.log2(jnp.where(usable, amax, 1.0)))
+  # 2**k from its exponent bits: exact (exp2 or ldexp may round on some backends).
+  k = jnp.clip(octaves, 0, 64).astype(jnp.int32)
+  scale = _current_scale(head_amax) * lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+  x8 = _cast(x, jnp.repeat(scale, SCALE_BLOCK, axis=1)[:, :seq, :, None])
+  return x8, jnp.swapaxes(1.0 / scale, 1, 2)
+
+
 def hopper_fp8_attention_forward(
     q: jax.Array, k: jax.Array, v: jax.Array, descale_q, descale_k, descale_v, *,
     causal: bool = False, sm_scale: float | None = None,
@@ -199,8 +266,10 @@ def hopper_fp8_attention_forward(
   Args:
     q: float8_e4m3fn [batch, q_len, heads, head_dim]; k, v: float8_e4m3fn [batch, kv_len,
       kv_heads, head_dim] (V is transposed here for the kernel).
-    descale_q, descale_k, descale_v: float32 scalars, x ~= x8 * descale (arrays: new
-      values do not recompile).
+    descale_q, descale_k, descale_v: float32, x ~= x8 * descale (arrays: new values do
+      not recompile): all three scalars (per tensor), or all three per SCALE_BLOCK rows of
+      each head: descale_q [batch, heads, q_len / 128], descale_k and descale_v [batch,
+      kv_heads, kv_len / 128] (`quantize_head_blocks`).
     causal, sm_scale, q_segment_ids, kv_segment_ids, block_sizes, interpret: as for
       `hopper_attention`.
 
@@ -210,13 +279,25 @@ def hopper_fp8_attention_forward(
     q_len], each row's base-2 log-sum-exp (-inf for a row that sees no key), which
     `hopper_fp8_attention_backward` takes.
   """
-  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes, (E4M3,))
+  geo = _with_descales(_checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal,
+                                         block_sizes, (E4M3,)),
+                       (descale_q, descale_k, descale_v))
   q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
   sm_scale = _sm_scale(sm_scale, geo.head_dim)
-  scales = jnp.stack([_descale(descale_q) * _descale(descale_k) * (sm_scale * LOG2E),
-                      _descale(descale_v) / P_SCALE])
+  block_scales = None
+  if geo.block_scaled:
+    scales = _scalars(sm_scale * LOG2E, 0.0)
+    descale_v = jnp.asarray(descale_v, jnp.float32)
+    # V's block descales enter P as ratios to the head's largest (see the kernel).
+    v_max = jnp.max(descale_v, axis=2)
+    v_max = jnp.where(v_max > 0, v_max, 1.0)
+    block_scales = (jnp.asarray(descale_q, jnp.float32), jnp.asarray(descale_k, jnp.float32),
+                    descale_v / v_max[..., None], v_max / P_SCALE)
+  else:
+    scales = jnp.stack([_descale(descale_q) * _descale(descale_k) * (sm_scale * LOG2E),
+                        _descale(descale_v) / P_SCALE])
   out, lse2, row_amax = hopper_attention_forward.forward(
-      q, k, jnp.transpose(v, (0, 2, 3, 1)), scales, q_ids, kv_ids, geo=geo,
+      q, k, jnp.transpose(v, (0, 2, 3, 1)), scales, q_ids, kv_ids, block_scales, geo=geo,
       blocks=block_sizes, interpret=interpret)
   return out, jnp.max(row_amax), lse2
 
@@ -227,11 +308,8 @@ def quantize_gradient(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   A zero or non-finite amax gives scale 1: the cast then saturates or passes NaN as
   the data says, and the scale itself stays finite.
   """
-  g_amax = jnp.max(jnp.abs(g.astype(jnp.float32)))
-  usable = jnp.isfinite(g_amax) & (g_amax > 0)
-  scale = jnp.where(usable, E4M3_MAX / jnp.where(usable, g_amax, 1.0), 1.0)
-  g8 = jnp.clip(g.astype(jnp.float32) * scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-  return g8, 1.0 / scale
+  scale = _current_scale(jnp.max(jnp.abs(g.astype(jnp.float32))))
+  return _cast(g, scale), 1.0 / scale
 
 
 def hopper_fp8_attention_backward(
@@ -255,7 +333,9 @@ def hopper_fp8_attention_backward(
     (dq, dk, dv) in bfloat16: the gradients with respect to q8 * descale_q, k8 *
     descale_k and v8 * descale_v, in q's and k's shapes.
   """
-  geo = _checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal, block_sizes, (E4M3,))
+  geo = _with_descales(_checked_geometry(q, k, v, q_segment_ids, kv_segment_ids, causal,
+                                         block_sizes, (E4M3,)),
+                       (descale_q, descale_k, descale_v))
   q_ids, kv_ids = _ids(q_segment_ids, kv_segment_ids)
   sm_scale = _sm_scale(sm_scale, geo.head_dim)
   if g_descale is None:
@@ -265,10 +345,18 @@ def hopper_fp8_attention_backward(
                     "quantize_gradient (E4M3), or no g_descale.")
   else:
     g8, descale_g = g, _descale(g_descale)
-  dq_, dk_, dv_ = (_descale(d) for d in (descale_q, descale_k, descale_v))
-  scales = jnp.stack([dq_ * dk_ * (sm_scale * LOG2E), descale_g * dv_, descale_g / P_SCALE,
-                      dk_ * sm_scale, dq_ * sm_scale])
+  block_scales = None
+  if geo.block_scaled:
+    # Per-step descales are read in the kernels; the bf16 q and k are dequantized.
+    block_scales = tuple(jnp.asarray(d, jnp.float32) for d in (descale_q, descale_k, descale_v))
+    scales = jnp.stack([jnp.float32(sm_scale * LOG2E), descale_g, descale_g / P_SCALE,
+                        jnp.float32(sm_scale), jnp.float32(sm_scale)])
+  else:
+    dq_, dk_, dv_ = (_descale(d) for d in (descale_q, descale_k, descale_v))
+    scales = jnp.stack([dq_ * dk_ * (sm_scale * LOG2E), descale_g * dv_, descale_g / P_SCALE,
+                        dk_ * sm_scale, dq_ * sm_scale])
   # delta from the dequantized dO8: the kernels' dP is built from dO8 too.
   stats = _delta_and_stats(out, g8.astype(jnp.float32) * descale_g, lse2)
-  return hopper_attention_backward.backward(q, k, v, g8, stats, scales, q_ids, kv_ids, geo=geo,
-                                            blocks=block_sizes, interpret=interpret)
+  return hopper_attention_backward.backward(q, k, v, g8, stats, scales, q_ids, kv_ids,
+                                            block_scales, geo=geo, blocks=block_sizes,
+                                            interpret=interpret)

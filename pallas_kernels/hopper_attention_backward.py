@@ -36,6 +36,12 @@ Operand formats. 16-bit inputs: every product in the input type. FP8 (E4M3 q, k,
                               These are 2 of the 7 products (the dQ kernel recomputes
                               S and dP).
 
+Block-scaled FP8 inputs (`geo.block_scaled`: one descale per SCALE_BLOCK rows of each
+head) change scalars only: S's scale takes the descales of the tile's query and key
+blocks, dP's the key block's V descale, both read per step; the bf16 copies of q and k
+for dQ and dK are dequantized (E4M3 times its block's descale, rounded to bf16), so dq and
+dk scales are sm_scale alone.
+
 Causal masks are bottom-right aligned (hopper_attention_tiling); every warpgroup waits
 for and releases every slot the producer fills, computing only the blocks its rows use.
 """
@@ -48,10 +54,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.hopper_attention_tiling import (COMPUTE_WGS, E4M3, P_SCALE,
+from pallas_kernels.hopper_attention_tiling import (COMPUTE_WGS, E4M3, P_SCALE, SCALE_BLOCK,
                                                     AttentionGeometry,
                                                     HopperAttentionBlockSizes, key_steps,
-                                                    query_steps, release_slot,
+                                                    query_steps, release_slot, scale_block,
                                                     stream_tiles, tile_visibility)
 from pallas_kernels.mosaic_target import (MosaicTarget, interpret_params, pl, plgpu,
                                           swizzle_transforms)
@@ -112,9 +118,22 @@ def _dq_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBlockSize
     plgpu.barrier_wait(s.do_ready.at[wg])
     scales = refs.scales
     shape = (block_q, block_kv)
+    kv_head = lax.div(head, jnp.int32(geo.group))
+    qk_scale = scales[QK_SCALE]
+    if geo.block_scaled:
+      qk_scale = qk_scale * refs.q_descale[batch, head, scale_block(row0)]
+
+    def step_scales(step):
+      """(S's and dP's scale) of a key step."""
+      if not geo.block_scaled:
+        return qk_scale, scales[DP_SCALE]
+      key_block = scale_block(step * block_kv)
+      return (qk_scale * refs.k_descale[batch, kv_head, key_block],
+              scales[DP_SCALE] * refs.v_descale[batch, kv_head, key_block])
 
     def key_step(step, dq, *, masked: bool):
       slot = slot_of(step)
+      step_qk_scale, dp_scale = step_scales(step)
       plgpu.barrier_wait(s.k_ready.at[slot])
       s_tile = target.mma(None, q_tile, s.k.at[slot], transpose_b=True, shape=shape)
       visible = None
@@ -127,12 +146,12 @@ def _dq_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBlockSize
                                     first_col=step * block_kv, rows_are_queries=True,
                                     row_ids=q_ids, col_ids=kv_ids)
       # Each value is finished before the next product is issued: fewer live registers.
-      p = _probabilities(s_tile, scales[QK_SCALE], lax.broadcast_in_dim(lse, shape, [0]),
+      p = _probabilities(s_tile, step_qk_scale, lax.broadcast_in_dim(lse, shape, [0]),
                          visible)
       plgpu.barrier_wait(s.v_ready.at[slot])
       dp = target.mma(None, do_tile, s.v.at[slot], transpose_b=True, shape=shape)
       plgpu.barrier_arrive(s.v_free.at[slot])
-      ds = p * (dp * scales[DP_SCALE] - lax.broadcast_in_dim(delta, shape, [0]))
+      ds = p * (dp * dp_scale - lax.broadcast_in_dim(delta, shape, [0]))
       if fp8:
         plgpu.barrier_wait(s.k16_ready.at[slot])
       dq = target.mma(dq, ds.astype(ds_type), (s.k16 if fp8 else s.k).at[slot],
@@ -217,10 +236,22 @@ def _dkv_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBlockSiz
     plgpu.barrier_wait(s.v_ready.at[wg])
     scales = refs.scales
     shape = (block_kv, block_q)
+    qk_scale, dp_scale = scales[QK_SCALE], scales[DP_SCALE]
+    if geo.block_scaled:
+      key_block = scale_block(key0)
+      qk_scale = qk_scale * refs.k_descale[batch, kv_head, key_block]
+      dp_scale = dp_scale * refs.v_descale[batch, kv_head, key_block]
+
+    def step_qk_scale(q_block, head_in_group):
+      if not geo.block_scaled:
+        return qk_scale
+      head = kv_head * geo.group + head_in_group
+      return qk_scale * refs.q_descale[batch, head, scale_block(q_block * block_q)]
 
     def query_step(q_block, carry, *, head_in_group, masked: bool):
       dk, dv = carry
       slot = slot_of(head_in_group * steps_per_head + q_block - cta_first)
+      s_scale = step_qk_scale(q_block, head_in_group)
       plgpu.barrier_wait(s.q_ready.at[slot])
       s_t = target.mma(None, k_tile, s.q.at[slot], transpose_b=True, shape=shape)
       visible = None
@@ -235,7 +266,7 @@ def _dkv_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBlockSiz
                                     row_ids=kv_ids, col_ids=q_ids)
       plgpu.barrier_wait(s.stats_ready.at[slot])
       # Each value is finished before the next product is issued: fewer live registers.
-      p_t = _probabilities(s_t, scales[QK_SCALE], lax.broadcast_in_dim(
+      p_t = _probabilities(s_t, s_scale, lax.broadcast_in_dim(
           target.col_vector(s.stats.at[slot, 0]), shape, [1]), visible)
       plgpu.barrier_wait(s.do_ready.at[slot])
       if fp8:
@@ -248,7 +279,7 @@ def _dkv_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBlockSiz
       else:
         dv = target.mma(dv, p_t.astype(ds_type), s.do.at[slot], transpose_b=False)
       dp_t = target.mma(None, v_tile, s.do.at[slot], transpose_b=True, shape=shape)
-      ds_t = p_t * (dp_t * scales[DP_SCALE] - lax.broadcast_in_dim(
+      ds_t = p_t * (dp_t * dp_scale - lax.broadcast_in_dim(
           target.col_vector(s.stats.at[slot, 1]), shape, [1]))
       plgpu.barrier_arrive(s.stats_free.at[slot])
       if fp8:
@@ -313,6 +344,15 @@ def _dkv_cta(refs, s, *, geo: AttentionGeometry, blocks: HopperAttentionBlockSiz
                  lambda slot: [getattr(s, f"{kind}_free").at[slot] for kind in tile_kinds])
 
 
+def _bf16_copy(x8, block_descale=None):
+  """x8 [batch, seq, heads, D] in bf16: exact (E4M3 values are bf16 values), or with a
+  [batch, heads, seq / SCALE_BLOCK] descale dequantized (rounded to bf16, 2**-9)."""
+  if block_descale is None:
+    return x8.astype(jnp.bfloat16)
+  per_row = jnp.repeat(jnp.swapaxes(block_descale, 1, 2), SCALE_BLOCK, axis=1)
+  return (x8.astype(jnp.float32) * per_row[..., None]).astype(jnp.bfloat16)
+
+
 def _smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(shape[-1], dtype))
 
@@ -348,8 +388,8 @@ def _launch(cta, named_inputs: dict, out_types: dict, scratch: dict, grid: dict,
 
 
 @functools.partial(jax.jit, static_argnames=("geo", "blocks", "interpret"))
-def backward(q, k, v, do, stats, scales, q_ids, kv_ids, *, geo: AttentionGeometry,
-             blocks: HopperAttentionBlockSizes, interpret):
+def backward(q, k, v, do, stats, scales, q_ids, kv_ids, block_scales=None, *,
+             geo: AttentionGeometry, blocks: HopperAttentionBlockSizes, interpret):
   """Runs the dQ and the dK/dV kernel on checked inputs (see `pallas_kernels.hopper_attention`).
 
   Args:
@@ -359,6 +399,10 @@ def backward(q, k, v, do, stats, scales, q_ids, kv_ids, *, geo: AttentionGeometr
       saw no key, see `hopper_attention_tiling.safe_lse`) and delta = dO . O.
     scales: float32 [5]: qk, dp, dv, dq and dk scales (module docstring).
     q_ids, kv_ids: int32 [batch, q_len] / [batch, kv_len] segment ids, or None.
+    block_scales: None, or (when `geo.block_scaled`) float32 (q_descale [batch, heads,
+      q_len / SCALE_BLOCK], k_descale and v_descale [batch, kv_heads, kv_len /
+      SCALE_BLOCK]); the qk and dp scales then leave the descales out, dq and dk are
+      sm_scale alone.
     geo, blocks: static shape and tiles; interpret: see `mosaic_target.interpret_params`.
 
   Returns:
@@ -370,7 +414,9 @@ def backward(q, k, v, do, stats, scales, q_ids, kv_ids, *, geo: AttentionGeometr
   grad_dtype = jnp.bfloat16 if fp8 else q.dtype
   head_dim = geo.head_dim
   ids = dict(q_ids=q_ids, kv_ids=kv_ids) if geo.segmented else {}
-  inputs = dict(q=q, k=k, v=v, do=do, stats=stats, scales=scales, **ids)
+  descales = (dict(zip(("q_descale", "k_descale", "v_descale"), block_scales))
+              if geo.block_scaled else {})
+  inputs = dict(q=q, k=k, v=v, do=do, stats=stats, scales=scales, **ids, **descales)
 
   # dQ: K, V (and K's bf16 copy) stream by key block.
   block_q, block_kv = blocks.block_q_dq, blocks.block_kv_dq
@@ -390,7 +436,7 @@ def backward(q, k, v, do, stats, scales, q_ids, kv_ids, *, geo: AttentionGeometr
   dq_inputs = dict(inputs)
   if fp8:
     scratch["k16"] = _smem((stages, block_kv, head_dim), jnp.bfloat16)
-    dq_inputs["k16"] = k.astype(jnp.bfloat16)  # exact: E4M3 values are bf16 values
+    dq_inputs["k16"] = _bf16_copy(k, descales.get("k_descale"))
   if geo.segmented:
     scratch.update(q_ids=plgpu.SMEM((COMPUTE_WGS, block_q), jnp.int32),
                    kv_ids=plgpu.SMEM((stages, block_kv), jnp.int32),
@@ -422,7 +468,8 @@ def backward(q, k, v, do, stats, scales, q_ids, kv_ids, *, geo: AttentionGeometr
     scratch.update(do_t=_smem((stages, head_dim, block_q), E4M3),
                    q16=_smem((stages, block_q, head_dim), jnp.bfloat16),
                    p=_smem((COMPUTE_WGS, block_kv, block_q), E4M3))
-    dkv_inputs.update(do_t=jnp.transpose(do, (0, 2, 3, 1)), q16=q.astype(jnp.bfloat16))
+    dkv_inputs.update(do_t=jnp.transpose(do, (0, 2, 3, 1)),
+                      q16=_bf16_copy(q, descales.get("q_descale")))
   if geo.segmented:
     scratch.update(kv_ids=plgpu.SMEM((COMPUTE_WGS, block_kv), jnp.int32),
                    q_ids=plgpu.SMEM((stages, block_q), jnp.int32),

@@ -40,6 +40,9 @@ HEAD_DIMS = (64, 128)
 # (pallas_kernels.flash_attention): a power of two, so the scaling is exact, and < 448,
 # so nothing saturates.
 P_SCALE = 256.0
+# Rows of q, k or v (per head) that share one descale when the FP8 inputs are block-scaled:
+# one CTA's query rows (2 x 64), one 128-key step, as FlashAttention-3 and DeepSeek-V3 tile.
+SCALE_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,13 @@ class HopperAttentionBlockSizes:
     block_q_dq, block_kv_dq: dQ kernel: query rows per warpgroup, keys per step.
     block_kv_dkv, block_q_dkv: dK/dV kernel: key rows per warpgroup, queries per step.
     num_stages: depth of each shared-memory ring (>= 2).
+    ping_pong: the forward's two compute warpgroups take turns on the tensor cores (one's
+      softmax under the other's wgmma, FlashAttention-3); False lets both issue freely
+      (a tuning variant, `benchmarks.attention --tune`).
+    overlap: the forward issues key block j's Q K^T and block j-1's P V together and runs
+      block j's softmax under P V (FlashAttention-3's intra-warpgroup overlap); its K
+      and V slots are held a step longer, so it wants num_stages >= 3 to keep the loads
+      ahead. Off by default until a GPU has timed it (a tuning variant).
   """
 
   block_q: int = 64
@@ -64,6 +74,8 @@ class HopperAttentionBlockSizes:
   block_kv_dkv: int = 64
   block_q_dkv: int = 64
   num_stages: int = 2
+  ping_pong: bool = True
+  overlap: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dq", "block_kv_dkv"):
@@ -78,6 +90,10 @@ class HopperAttentionBlockSizes:
     if not isinstance(self.num_stages, int) or self.num_stages < 2:
       raise ValueError(f"HopperAttentionBlockSizes.num_stages={self.num_stages!r} must be an "
                        "int >= 2, so that the TMA copies overlap compute.")
+    for name in ("ping_pong", "overlap"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"HopperAttentionBlockSizes.{name}={getattr(self, name)!r} must be a "
+                         "bool.")
 
   @property
   def seq_multiple(self) -> int:
@@ -95,6 +111,8 @@ class AttentionGeometry:
       head_dim]; k and v are [batch, kv_len, kv_heads, head_dim].
     causal: bottom-right aligned causal mask.
     segmented: segment ids are given (a query sees only keys of its own id).
+    block_scaled: FP8 inputs carry one descale per `SCALE_BLOCK` rows of each head
+      (else one per tensor).
   """
 
   batch: int
@@ -105,6 +123,7 @@ class AttentionGeometry:
   head_dim: int
   causal: bool
   segmented: bool
+  block_scaled: bool = False
 
   @property
   def group(self) -> int:
@@ -117,12 +136,18 @@ class AttentionGeometry:
     return self.kv_len - self.q_len
 
 
-def geometry(q, k, *, causal: bool, segmented: bool) -> AttentionGeometry:
+def geometry(q, k, *, causal: bool, segmented: bool,
+             block_scaled: bool = False) -> AttentionGeometry:
   """The `AttentionGeometry` of q [batch, q_len, heads, d] and k [batch, kv_len, kv_heads, d]."""
   batch, q_len, heads, head_dim = q.shape
   return AttentionGeometry(batch=batch, q_len=q_len, kv_len=k.shape[1], heads=heads,
                            kv_heads=k.shape[2], head_dim=head_dim, causal=bool(causal),
-                           segmented=bool(segmented))
+                           segmented=bool(segmented), block_scaled=bool(block_scaled))
+
+
+def scale_block(row) -> jax.Array:
+  """The index of the `SCALE_BLOCK`-row block that holds row `row` (an int32 scalar)."""
+  return lax.div(row, jnp.int32(SCALE_BLOCK))
 
 
 def check_shapes(geo: AttentionGeometry, blocks: HopperAttentionBlockSizes) -> None:

@@ -151,3 +151,50 @@ class MosaicTarget:
         while_in_flight()
     # run_state waits for the wgmma before it returns the accumulator.
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+  def overlapped_mma(self, shape: tuple[int, int], a, b, acc: jax.Array, c, d, *,
+                     transpose_d: bool, while_in_flight: Callable[[], None],
+                     consume: Callable[[jax.Array, Any], Any], state):
+    """Two products in flight at once: S = a @ b^T and acc + c @ D, with `consume(S, state)`
+    run while the second is still on the tensor cores.
+
+    Issues S (fresh float32 [shape]) and then acc + c @ D (D the SMEM tile `d`, or its
+    transpose when `transpose_d`), calls `while_in_flight()`, waits for S alone (the
+    wgmma groups complete in order), computes `consume(S, state)` and only then waits for
+    the second product.
+
+    Args:
+      shape: (m, n) of S.
+      a, b: S's operands: a [m, k] in SMEM; b holds B^T [n, k] (K-major).
+      acc: float32 accumulator of the second product.
+      c: [m, k2] register value (16-bit) or SMEM ref; d: SMEM tile.
+      transpose_d, while_in_flight: as `mma`'s transpose_b and while_in_flight.
+      consume: consume(S, state) -> new state (a pytree of arrays like `state`).
+      state: the state `consume` starts from.
+
+    Returns:
+      (acc + c @ D, consume's new state); both products have completed.
+    """
+    if self.interpret:
+      s_value = self.mma(None, a, b, transpose_b=True, shape=shape,
+                         while_in_flight=while_in_flight)
+      new_state = consume(s_value, state)
+      return self.mma(acc, c, d, transpose_b=transpose_d), new_state
+
+    d_operand = plgpu.transpose_ref(d, (1, 0)) if transpose_d else d
+
+    def body(refs):
+      acc_ref, state_refs = refs
+
+      # S's accumulator is scoped inside the state: a wgmma on an accumulator that
+      # run_state does not own cannot be discharged (jax 0.10.2).
+      def with_s(s_ref):
+        plgpu.wgmma(s_ref, a, plgpu.transpose_ref(b, (1, 0)))
+        plgpu.wgmma(acc_ref, c, d_operand)
+        while_in_flight()
+        s_value = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, acc in flight
+        new_state = consume(s_value, jax.tree.map(lambda r: r[...], state_refs))
+        jax.tree.map(lambda r, v: r.__setitem__(Ellipsis, v), state_refs, new_state)
+      pl.run_scoped(with_s, plgpu.ACC(shape, jnp.float32))
+    # run_state waits for the accumulator before it returns it.
+    return pl.run_state(body)((plgpu.ACC.init(acc), state))

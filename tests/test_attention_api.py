@@ -10,6 +10,10 @@ import pytest
 from flax import nnx
 
 import fp8jax
+import pallas_kernels
+from benchmarks import attention_speeds, attention_tuning
+from fp8jax import deviceless
+from fp8jax.ops import attention as attention_op
 from fp8jax.ops import attention_backend
 from fp8jax.flax import linen as fp8nn
 from fp8jax.flax import nnx as fp8nnx
@@ -176,7 +180,6 @@ def test_measured_table_is_the_committed_h100_benchmark():
   typed in."""
   import json
   import pathlib
-  from benchmarks import attention_speeds
   source = pathlib.Path(__file__).resolve().parents[1] / attention_backend.SOURCE
   # The Hopper FP8 forward in that run failed its separate GPU check
   # (benchmarks/results/h100_hopper_fp8_attention_check.json).
@@ -322,3 +325,39 @@ def test_mixed_qkv_dtypes_are_explained():
   q, k, v = _qkv(10, seq=16)
   with pytest.raises(TypeError, match="q, k and v must share a dtype"):
     fp8jax.fp8_attention(q, k.astype(jnp.float32), v, fp8jax.init_attention_meta(RECIPE))
+
+
+def test_tuning_picks_the_fastest_forward_plus_backward_per_stage_count():
+  # The stage count is shared by both passes: the pick is the stage count whose fastest
+  # forward plus fastest backward is least, not the fastest forward alone.
+  def entry(seconds, **blocks):
+    fields = dict(dataclasses.asdict(attention_tuning.DEFAULT), **blocks)
+    return {"blocks": fields, "median_s": seconds}
+  forward = [entry(1.0, num_stages=2, ping_pong=True), entry(0.7, num_stages=3, block_kv=64),
+             entry(0.9, num_stages=2, ping_pong=False), {"blocks": dict(
+                 dataclasses.asdict(attention_tuning.DEFAULT), num_stages=4), "skipped": "smem"}]
+  backward = [entry(2.0, num_stages=2, block_q_dkv=128), entry(2.5, num_stages=3)]
+  best = attention_tuning._best(forward, backward)
+  # Stages 2: 0.9 + 2.0 = 2.9 < stages 3: 0.7 + 2.5 = 3.2.
+  assert best == dict(dataclasses.asdict(attention_tuning.DEFAULT), num_stages=2,
+                      ping_pong=False, block_q_dkv=128)
+
+
+@pytest.mark.skipif(deviceless.deviceless_toolchain_missing() is not None,
+                    reason="needs the deviceless H100 toolchain")
+def test_hopper_backends_run_with_the_tuned_tiles_of_the_compile_targets_gpu(monkeypatch):
+  tiles = dict(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=128, block_kv_dkv=64,
+               block_q_dkv=128, num_stages=3, ping_pong=False)
+  tuning = {"smoke": False, "best": {"fp8": {"causal": {"128": tiles}}}}
+  monkeypatch.setattr(attention_backend, "TUNED", attention_speeds.tuned_from_tuning(tuning))
+  with jax.set_mesh(deviceless.h100_mesh(data=1)):
+    assert attention_op._hopper_blocks("pallas_hopper_fp8", True, 128) == (
+        pallas_kernels.HopperAttentionBlockSizes(**tiles))
+    # Nothing tuned for this mask, precision or head_dim: the kernels' defaults.
+    assert attention_op._hopper_blocks("pallas_hopper_fp8", False, 128) is None
+    assert attention_op._hopper_blocks("pallas_hopper", True, 128) is None
+    assert attention_op._hopper_blocks("pallas_hopper_fp8", True, 64) is None
+  # Off the tuned GPU (this CPU process) nothing applies either.
+  assert attention_op._hopper_blocks("pallas_hopper_fp8", True, 128) is None
+  # A smoke run's tuning is never a table.
+  assert attention_speeds.tuned_from_tuning({**tuning, "smoke": True}) == {}

@@ -44,16 +44,19 @@ def test_fp8_attention_train_step_compiles_for_h100_with_hopper_forward_and_back
   assert "fp8_scale_update" in hlo
 
 
-def test_fp8_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh():
+@pytest.mark.parametrize("finer", [False, True], ids=["per_tensor", "block_scales_rotated"])
+def test_fp8_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh(finer):
   """On 8 H100s (data=4 x model=2, the batch over "data", the heads over "model")
   each GPU's three Mosaic kernels take its own 4 of 16 sequences and 8 of 16
   query heads (2 of 4 kv heads); nothing is gathered (XLA would otherwise
-  gather q, k and v whole to every GPU, unable to split a custom kernel)."""
+  gather q, k and v whole to every GPU, unable to split a custom kernel). With block
+  scales the kernels also take their shard's block descales, split the same way."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   mesh = deviceless.h100_mesh(data=4, model=2)
   batch, seq, heads, kv_heads, head_dim = 16, 2048, 16, 4, 128
-  call = _Call("pallas_hopper_fp8", causal=True, sm_scale=None, interpret=False)
+  call = _Call("pallas_hopper_fp8", causal=True, sm_scale=None, interpret=False,
+               block_scales=finer, rotate=finer)
   split = NamedSharding(mesh, P("data", None, "model"))
   replicated = NamedSharding(mesh, P())
   meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
@@ -77,6 +80,9 @@ def test_fp8_attention_kernels_run_on_each_gpus_batch_rows_and_heads_on_a_mesh()
   assert sum(local_q in r for r in results) == 2, results  # the forward's output, and dq
   assert sum(local_kv in r for r in results) == 1, results  # dk and dv
   assert not any(f"[{batch}," in r for r in results), results  # no global batch
+  if finer:  # each kernel's operands include the shard's [4, 8 or 2, 16] block descales
+    operands = [line.split(" custom-call(")[1] for line in kernels]
+    assert all(f"f32[{batch // 4},{heads // 2},{seq // 128}]" in o for o in operands), operands
 
 
 @pytest.mark.parametrize("backend,target", [("pallas", "__gpu$xla.gpu.triton"),

@@ -7,9 +7,10 @@ import pytest
 import examples.train_mlp as train_mlp
 from benchmarks import dense, gpu_check, trace_categories
 
-# The GPU check's smoke run in three parts, each a test of its own (of about 12, 25 and
-# 12 s) so the suite's workers share them; together they are every section.
+# The GPU check's smoke run in four parts, each a test of its own (of about 12, 25, 12
+# and 5 s) so the suite's workers share them; together they are every section.
 SMOKE_PARTS = {"kernels": ("tests", "dense", "grouped_gemm", "attention"),
+               "attention_tools": ("attention_accuracy", "attention_tuning"),
                "gpt": ("gpt", "demo"), "moe_gpt": ("moe_gpt",)}
 SECTION_FILES = {"tests": "gpu_tests", "demo": "demo_compare"}
 
@@ -89,6 +90,25 @@ def test_gpu_check_smoke_runs_its_sections_and_writes_their_json(part, tmp_path)
     assert all(not entry["validated"] for masks in table.values()
                for by_precision in masks.values() for rows in by_precision.values()
                for name, entry in rows.items() if name.startswith("pallas_hopper"))
+  if "attention_accuracy" in sections:
+    # The FP8 kernels' arithmetic (jnp, on a CPU): Gaussian inputs at E4M3's floor (about
+    # 5%: q, k, v and P each rounded with 2.6% rms), and the rotation at least halving the
+    # error where q and k have channel outliers.
+    (result,) = json.loads((tmp_path / "attention_accuracy.json").read_text())["results"]
+    errors = {kind: {mode: max(e.values()) for mode, e in modes.items()}
+              for kind, modes in result["errors"].items()}
+    assert 0.02 < errors["gaussian"]["per_tensor"] < 0.1, errors
+    assert errors["channels"]["blocks+rotate"] < errors["channels"]["per_tensor"] / 2, errors
+  if "attention_tuning" in sections:
+    # Two forward variants (ping-pong on and off) and one backward variant of the bf16
+    # kernels in Mosaic GPU's interpreter, each timed, and a pick among them; a smoke
+    # run's pick never becomes a table.
+    tuning = json.loads((tmp_path / "attention_tuning.json").read_text())
+    (result,) = tuning["results"]
+    assert all(e["median_s"] > 0 for e in result["forward"] + result["backward"]), result
+    assert {e["blocks"]["ping_pong"] for e in result["forward"]} == {True, False}
+    assert tuning["best"]["bf16"]["none"]["64"] == result["best"]
+    assert json.loads((tmp_path / "attention_tuned.json").read_text()) == {}
   if "gpt" in sections:
     # The dense rows (a one-block tiny model): bf16, delayed and current scaling, each
     # timed, profiled and predicted.

@@ -42,7 +42,7 @@ _needs_toolchain = pytest.mark.skipif(_TOOLCHAIN_MISSING is not None,
 # The production shape the PTX facts are checked at (head_dim comes with each config).
 B, S, H = 1, 4096, 16
 
-# name -> (pass, input dtype, causal, head_dim)
+# name -> (pass, input dtype, causal, head_dim[, options: block_scales, ping_pong])
 _ATTENTION_CONFIGS = {
     "fwd_bf16": ("forward", "bfloat16", False, 128),
     "fwd_bf16_causal": ("forward", "bfloat16", True, 128),
@@ -53,6 +53,17 @@ _ATTENTION_CONFIGS = {
     "bwd_bf16_causal": ("backward", "bfloat16", True, 128),
     "bwd_fp8": ("backward", "float8_e4m3fn", False, 128),
     "bwd_fp8_causal": ("backward", "float8_e4m3fn", True, 128),
+    # One descale per 128 rows of each head, read per key step.
+    "fwd_fp8_blocks": ("forward", "float8_e4m3fn", False, 128, {"block_scales": True}),
+    "bwd_fp8_blocks_causal": ("backward", "float8_e4m3fn", True, 128, {"block_scales": True}),
+    # The tuning variant without the warpgroups' turns.
+    "fwd_fp8_no_ping_pong": ("forward", "float8_e4m3fn", False, 128, {"ping_pong": False}),
+    # The tuning variant with FlashAttention-3's intra-warpgroup overlap (3 stages; bf16
+    # with 64 keys per step, which 3 stages of bf16 K and V need to fit shared memory).
+    "fwd_fp8_overlap": ("forward", "float8_e4m3fn", True, 128,
+                        {"overlap": True, "num_stages": 3}),
+    "fwd_bf16_overlap": ("forward", "bfloat16", False, 128,
+                         {"overlap": True, "num_stages": 3, "block_kv": 64}),
 }
 _BEGIN = "=== deviceless compile: "
 _WGMMA_OR_MMA = re.compile(r"\b(wgmma\.mma_async\.[\w.]+|mma\.sync\.[\w.]+)")
@@ -72,14 +83,18 @@ def _compile_all() -> None:
   import importlib
   ha = importlib.import_module("pallas_kernels.hopper_attention")
 
-  scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  for name, (which, dtype, causal, head_dim) in _ATTENTION_CONFIGS.items():
+  for name, (which, dtype, causal, head_dim, *options) in _ATTENTION_CONFIGS.items():
+    options = dict(options[0]) if options else {}
+    block_scales = options.pop("block_scales", False)
+    blocks = ha.HopperAttentionBlockSizes(**options)
+    scalar = jax.ShapeDtypeStruct((B, H, S // 128) if block_scales else (), jnp.float32)
     x = jax.ShapeDtypeStruct((B, S, H, head_dim), jnp.dtype(dtype))
     lse2 = jax.ShapeDtypeStruct((B, H, S), jnp.float32)
     if which == "forward" and dtype == "bfloat16":
-      fn, args = functools.partial(ha.hopper_attention, causal=causal), (x, x, x)
+      fn = functools.partial(ha.hopper_attention, causal=causal, block_sizes=blocks)
+      args = (x, x, x)
     elif which == "forward":
-      fn = functools.partial(ha.hopper_fp8_attention_forward, causal=causal)
+      fn = functools.partial(ha.hopper_fp8_attention_forward, causal=causal, block_sizes=blocks)
       args = (x, x, x, scalar, scalar, scalar)
     elif dtype == "bfloat16":
       def fn(q, k, v, g, causal=causal):
@@ -159,6 +174,15 @@ _EXPECTED_MMA = {
                 _wgmma("m64n128k16", "bf16.bf16")},
     "bwd_fp8_causal": {_wgmma("m64n64k32", "e4m3.e4m3"), _wgmma("m64n128k32", "e4m3.e4m3"),
                        _wgmma("m64n128k16", "bf16.bf16")},
+    # Block descales change scalars only: the same products.
+    "fwd_fp8_blocks": {_wgmma("m64n128k32", "e4m3.e4m3")},
+    "bwd_fp8_blocks_causal": {_wgmma("m64n64k32", "e4m3.e4m3"),
+                              _wgmma("m64n128k32", "e4m3.e4m3"),
+                              _wgmma("m64n128k16", "bf16.bf16")},
+    "fwd_fp8_no_ping_pong": {_wgmma("m64n128k32", "e4m3.e4m3")},
+    "fwd_fp8_overlap": {_wgmma("m64n128k32", "e4m3.e4m3")},
+    # 64 keys per step: Q K^T is m64n64, P V m64n128.
+    "fwd_bf16_overlap": {_wgmma("m64n64k16", "bf16.bf16"), _wgmma("m64n128k16", "bf16.bf16")},
 }
 
 
@@ -183,11 +207,55 @@ def test_kernels_are_warp_specialized_and_load_by_tma(compiled, config):
   assert "cp.async.bulk.tensor" in ptx, f"{config}: no TMA copy"
 
 
+@pytest.mark.hopper
+@_needs_toolchain
+def test_forward_warpgroups_take_turns_on_a_shared_memory_barrier(compiled):
+  # Ping-pong (FlashAttention-3): the compute warpgroups pass the tensor cores back and
+  # forth on one two-arrival mbarrier, arriving and waiting at four places each (before
+  # the first step, while Q K^T is in flight, when the softmax is done, after the last
+  # step); without it those are gone and every other barrier stays.
+  def barriers(ptx):
+    return collections.Counter(re.findall(r"\bmbarrier\.(arrive\.release|try_wait)\b", ptx))
+  with_turns = barriers(compiled["fwd_fp8"])
+  without = barriers(compiled["fwd_fp8_no_ping_pong"])
+  assert with_turns - without == collections.Counter({"arrive.release": 4, "try_wait": 4}), (
+      with_turns, without)
+
+
+def _in_order(ptx: str) -> list[str]:
+  """The wgmma issues, wgmma waits (with their group count) and ex2 of a PTX text, in order."""
+  return [re.sub(r"\s+", " ", op) for op in re.findall(
+      r"wgmma\.mma_async\.sync\.aligned\.\w+|wgmma\.wait_group\.sync\.aligned\s+\d+|"
+      r"ex2\.approx", ptx)]
+
+
+@pytest.mark.hopper
+@_needs_toolchain
+@pytest.mark.parametrize("config, issued", [("fwd_fp8_overlap", 4 + 4),
+                                            ("fwd_bf16_overlap", 8 + 4)])
+def test_overlapped_forward_runs_block_js_exp_under_block_j_minus_1s_p_v(compiled, config,
+                                                                          issued):
+  # FlashAttention-3's intra-warpgroup overlap: the key loop issues S_j = Q K_j^T and
+  # P_{j-1} V_{j-1} back to back (D=128: FP8 4 + 4 k32 instructions; bf16 with 64 keys
+  # 8 k16 for S and 4 for P V), waits for the first group only (wait_group 1), computes
+  # block j's exponentials while P V runs, and waits for P V (wait_group 0) after them.
+  ops = _in_order(compiled[config])
+  waits = [i for i, op in enumerate(ops) if op == "wgmma.wait_group.sync.aligned 1"]
+  assert waits, f"{config}: no wgmma.wait_group 1 (no product left in flight)"
+  for i in waits:
+    assert all(op.startswith("wgmma.mma_async") for op in ops[i - issued:i]), ops[i - issued:i]
+    after = ops[i + 1:ops.index("wgmma.wait_group.sync.aligned 0", i)]
+    assert after and all(op == "ex2.approx" for op in after), after
+  # The plain schedule waits for every product before its softmax.
+  assert "wgmma.wait_group.sync.aligned 1" not in _in_order(compiled["fwd_fp8"])
+
+
 # ptxas's register budget is tight in the causal dK/dV kernel at head_dim 128: dK and
 # dV take 128 of a compute thread's 232 registers, and the masked query blocks add the
 # mask's index tiles. It spills a few words there (one copy per causal diagonal block);
 # the ceiling keeps that from growing unnoticed. Every other kernel must not spill.
-_SPILL_CEILING_BYTES = {"bwd_bf16_causal": 128, "bwd_fp8_causal": 128}
+_SPILL_CEILING_BYTES = {"bwd_bf16_causal": 128, "bwd_fp8_causal": 128,
+                        "bwd_fp8_blocks_causal": 128}
 
 
 @pytest.mark.hopper

@@ -354,10 +354,11 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
 #
 # Layouts name each array's axes by letter: "bshd" (q, the output, its
 # gradient), "btkd" (k, v), "bs" / "bt" (segment ids), "bhs" (row statistics
-# such as the log-sum-exp), "" (a replicated scalar); outputs may also be
+# such as the log-sum-exp), "bhn" / "bkm" (per-block scales of q / of k and v:
+# batch, heads, blocks of rows), "" (a replicated scalar); outputs may also be
 # "amax". An argument given as None (no segment ids) is left out of the call.
 
-LAYOUTS = ("bshd", "btkd", "bs", "bt", "bhs", "")
+LAYOUTS = ("bshd", "btkd", "bs", "bt", "bhs", "bhn", "bkm", "")
 OUTPUT_LAYOUTS = LAYOUTS + ("amax",)
 
 

@@ -18,7 +18,9 @@ Semantics, the same on every backend:
     or dv.
 
 FP8 (`fp8_attention`): q, k, v are quantized to E4M3 with their roles' scales
-(delayed or current, as the recipe says); the kernel multiplies the descales
+(delayed or current, as the recipe says), or with one current scale per 128 rows of
+each head (`block_scales`), optionally after turning q and k by a random orthogonal
+matrix (`rotate`, `fp8jax.ops.attention_rotation`); the kernel multiplies the descales
 back in, quantizes the softmax probabilities P to E4M3 with a fixed scale for
 the P.V product, and returns a bf16 output and max|O|. The forward records the
 amaxes of q, k, v and o in the returned meta; the backward records the output
@@ -54,9 +56,9 @@ from fp8jax.mesh.explicit import is_explicitly_sharded
 from fp8jax.mesh.partitioning import shard_local_attention, vmapped_as
 from fp8jax.mesh.target import compile_target
 from fp8jax.ops.attention_backend import (DEQUANTIZING_FP8_BACKENDS, BackendChoice, make_key,
-                                          select_backend)
+                                          select_backend, tuned_block_sizes)
 from fp8jax.ops.cast import quantize_with_meta
-from fp8jax.ops import saved_activations
+from fp8jax.ops import attention_rotation, saved_activations
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 
@@ -72,6 +74,26 @@ class _Call:
   interpret: bool | None = None
   # Keep the output for the backward kernel in FP8 (1 x head_dim groups) instead of bf16.
   save_output_fp8: bool = False
+  # FP8: one current scale per 128 rows of each head (else the roles' per-tensor scales).
+  block_scales: bool = False
+  # FP8: q and k turned by `attention_rotation.rotate` before they are quantized.
+  rotate: bool = False
+  # The Hopper kernels' tiles: the tuned ones for this GPU (`_hopper_blocks`) or None for
+  # the kernels' defaults.
+  hopper_blocks: pallas_kernels.HopperAttentionBlockSizes | None = None
+
+  @property
+  def block_sizes(self) -> pallas_kernels.HopperAttentionBlockSizes:
+    return self.hopper_blocks or pallas_kernels.HopperAttentionBlockSizes()
+
+
+def _hopper_blocks(backend: str, causal: bool, head_dim: int):
+  """The tuned tiles of a Hopper backend on the compile target's GPU, or None."""
+  if not backend.startswith("pallas_hopper"):
+    return None
+  precision = "fp8" if backend == "pallas_hopper_fp8" else "bf16"
+  tuned = tuned_block_sizes(compile_target().gpu_arch, precision, causal, head_dim)
+  return pallas_kernels.HopperAttentionBlockSizes(**tuned) if tuned else None
 
 
 def _interpret() -> bool | None:
@@ -81,7 +103,8 @@ def _interpret() -> bool | None:
 
 
 def choose_backend(q, k, *, fp8: bool, causal: bool, has_segments: bool,
-                   recipe: Recipe | None = None, backend: str | None = None) -> BackendChoice:
+                   recipe: Recipe | None = None, backend: str | None = None,
+                   block_scales: bool = False) -> BackendChoice:
   """The backend `attention` / `fp8_attention` will use for these arguments.
 
   Selection sees the compile target (`fp8jax.mesh.target.compile_target`): under
@@ -102,7 +125,7 @@ def choose_backend(q, k, *, fp8: bool, causal: bool, has_segments: bool,
                  has_segments=has_segments,
                  recipe_type=type(recipe).__name__ if recipe is not None else None,
                  platform=target.platform, gpu_arch=target.gpu_arch,
-                 compile_only=target.compile_only)
+                 compile_only=target.compile_only, block_scaled=block_scales)
   choice = select_backend(key, backend)
   if explicit and choice.name != "xla":
     reason = (f"the {choice.name!r} kernel does not run on arrays sharded over an "
@@ -171,7 +194,9 @@ def _bf16_attention(backend, q, k, v, causal, q_segment_ids, kv_segment_ids, sm_
   """16-bit attention on one backend ("pallas", "pallas_hopper", "cudnn" or "xla")."""
   if backend in ("pallas", "pallas_hopper"):
     return _fused_bf16_attention(q, k, v, q_segment_ids, kv_segment_ids,
-                                 _Call(backend, causal, sm_scale, _interpret()))
+                                 _Call(backend, causal, sm_scale, _interpret(),
+                                       hopper_blocks=_hopper_blocks(backend, causal,
+                                                                    q.shape[-1])))
   return _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale,
                              implementation=backend)
 
@@ -189,7 +214,7 @@ def _fused_bf16_attention_fwd(q, k, v, q_seg, kv_seg, call):
     def kernel(q, k, v, q_seg, kv_seg):  # lse is base 2 here, as the backward takes it
       return pallas_kernels.hopper_bf16_attention_forward(
           q, k, v, causal=call.causal, sm_scale=call.sm_scale, q_segment_ids=q_seg,
-          kv_segment_ids=kv_seg)
+          kv_segment_ids=kv_seg, block_sizes=call.block_sizes)
   else:
     def kernel(q, k, v, q_seg, kv_seg):
       result = pallas_kernels.flash_attention_forward(
@@ -207,7 +232,7 @@ def _fused_bf16_attention_bwd(call, residuals, g):
     def kernel(q, k, v, out, lse, g, q_seg, kv_seg):
       return pallas_kernels.hopper_bf16_attention_backward(
           q, k, v, out, lse, g, causal=call.causal, sm_scale=call.sm_scale,
-          q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+          q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_sizes=call.block_sizes)
   else:
     def kernel(q, k, v, out, lse, g, q_seg, kv_seg):
       return pallas_kernels.flash_attention_backward(
@@ -257,8 +282,9 @@ def _xla_like_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale
 def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta, *,
                   causal: bool = False, q_segment_ids: jax.Array | None = None,
                   kv_segment_ids: jax.Array | None = None, sm_scale: float | None = None,
-                  backend: str | None = None,
-                  save_output_fp8: bool = False) -> tuple[jax.Array, AttentionMeta]:
+                  backend: str | None = None, save_output_fp8: bool = False,
+                  block_scales: bool | None = None,
+                  rotate: bool = False) -> tuple[jax.Array, AttentionMeta]:
   """FP8 fused attention with explicit FP8 state.
 
   Args:
@@ -279,6 +305,15 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
       (`fp8jax.ops.saved_activations`: 1.03 bytes per element instead of 2) on the fused
       FP8 kernels ("pallas_hopper_fp8", "pallas"); the other backends recompute the
       forward in the backward and keep no output.
+    block_scales: quantize q, k and v with one current scale per 128 rows of each head
+      (each block's amax maps to E4M3's max; the roles' stored scales are not used, their
+      amaxes are still recorded). None: as the recipe scales GEMM operands (per row or
+      per block: True; per tensor: False). Runs on "pallas_hopper_fp8", "xla" and the
+      dequantizing backends, not on "pallas".
+    rotate: turn q and k by a fixed random orthogonal matrix along head_dim before they
+      are quantized ("incoherent processing", `fp8jax.ops.attention_rotation`; head_dim
+      a power of two): q k^T is unchanged, while channel outliers no longer dominate E4M3's
+      rounding. The recorded q and k amaxes are then those of the turned tensors.
 
   Returns:
     (out, new_meta): out [batch, q_len, heads, head_dim] in q's dtype (bf16
@@ -288,10 +323,16 @@ def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMeta,
   refuse_split_state(meta, "meta")
   check_attention_meta(meta, "meta")
   check_threaded(meta, "fp8_attention", init="fp8jax.init_attention_meta")
+  if block_scales is None:
+    block_scales = bool(meta.recipe.per_operand)
+  if rotate:
+    attention_rotation.check_rotatable(q.shape[-1])
   choice = choose_backend(q, k, fp8=True, causal=causal,
                           has_segments=q_segment_ids is not None, recipe=meta.recipe,
-                          backend=backend)
-  call = _Call(choice.name, causal, sm_scale, _interpret(), bool(save_output_fp8))
+                          backend=backend, block_scales=bool(block_scales))
+  call = _Call(choice.name, causal, sm_scale, _interpret(), bool(save_output_fp8),
+               bool(block_scales), bool(rotate),
+               _hopper_blocks(choice.name, causal, q.shape[-1]))
   with reverse_mode_only("fp8jax.fp8_attention", "fp8jax.attention (bf16)"):
     return _fp8_attention(q, k, v, meta, q_segment_ids, kv_segment_ids, call)
 
@@ -302,11 +343,23 @@ def _fp8_attention(q, k, v, meta, q_seg, kv_seg, call):
   return out, new_meta
 
 
+def _quantize(x, role_meta, call):
+  """(x8, descale, role meta with x's amax recorded): per tensor as the role's recipe
+  says, or (`call.block_scales`) per 128 rows of each head."""
+  if not call.block_scales:
+    x8, scale, recorded = quantize_with_meta(x, role_meta)
+    return x8, 1.0 / scale, recorded
+  x8, descale = pallas_kernels.quantize_head_blocks(x)
+  return x8, descale, record_amax(role_meta, amax(x))
+
+
 def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
-  q8, scale_q, meta_q = quantize_with_meta(q, meta.q)
-  k8, scale_k, meta_k = quantize_with_meta(k, meta.k)
-  v8, scale_v, meta_v = quantize_with_meta(v, meta.v)
-  descales = (1.0 / scale_q, 1.0 / scale_k, 1.0 / scale_v)
+  if call.rotate:
+    q, k = attention_rotation.rotate(q), attention_rotation.rotate(k)
+  q8, descale_q, meta_q = _quantize(q, meta.q, call)
+  k8, descale_k, meta_k = _quantize(k, meta.k, call)
+  v8, descale_v, meta_v = _quantize(v, meta.v, call)
+  descales = (descale_q, descale_k, descale_v)
   if call.backend in DEQUANTIZING_FP8_BACKENDS:
     # A bf16 backend measured faster than every FP8 kernel: FP8 rounding of the
     # inputs (and their amaxes) as always, bf16 attention on the dequantized values.
@@ -334,6 +387,12 @@ def _fp8_forward(q, k, v, meta, q_seg, kv_seg, call):
   return out.astype(q.dtype), amaxes_unbatched_like(meta, new_meta), residuals
 
 
+def _descale_layouts(call) -> tuple[str, str, str]:
+  """The `_per_shard` layouts of (descale_q, descale_k, descale_v): replicated scalars, or
+  block descales split with their heads and batch rows."""
+  return ("bhn", "bkm", "bkm") if call.block_scales else ("", "", "")
+
+
 def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
   """(out, out_amax, lse) from an FP8 forward kernel, run on each device's batch rows and heads."""
   if backend == "pallas_hopper_fp8":
@@ -341,7 +400,8 @@ def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
       # lse is base 2 here: hopper_fp8_attention_backward takes it as it is.
       return pallas_kernels.hopper_fp8_attention_forward(
           q8, k8, v8, descale_q, descale_k, descale_v, causal=call.causal,
-          sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+          sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+          block_sizes=call.block_sizes)
   else:
     def kernel(q8, k8, v8, descale_q, descale_k, descale_v, q_seg, kv_seg):
       result = pallas_kernels.flash_attention_forward(
@@ -349,7 +409,7 @@ def _fused_fp8_forward(backend, q8, k8, v8, descales, q_seg, kv_seg, call):
           q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=call.causal,
           sm_scale=call.sm_scale, interpret=call.interpret)
       return result.out, result.out_amax, result.lse
-  per_shard = _per_shard(kernel, ("bshd", "btkd", "btkd", "", "", "", "bs", "bt"),
+  per_shard = _per_shard(kernel, ("bshd", "btkd", "btkd", *_descale_layouts(call), "bs", "bt"),
                          ("bshd", "amax", "bhs"))
   return per_shard(q8, k8, v8, *descales, q_seg, kv_seg)
 
@@ -366,8 +426,9 @@ def _fused_fp8_backward(backend, q8, k8, v8, descales, out, lse, g, q_seg, kv_se
       return pallas_kernels.hopper_fp8_attention_backward(
           q8, k8, v8, out, lse, g8, descale_q, descale_k, descale_v, causal=call.causal,
           sm_scale=call.sm_scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-          g_descale=descale_g)
-    operands = ("bshd", "btkd", "btkd", "bshd", "bhs", "bshd", "", "", "", "", "bs", "bt")
+          g_descale=descale_g, block_sizes=call.block_sizes)
+    operands = ("bshd", "btkd", "btkd", "bshd", "bhs", "bshd", *_descale_layouts(call), "",
+                "bs", "bt")
     args = (q8, k8, v8, out, lse, g8, *descales, descale_g, q_seg, kv_seg)
   else:
     def kernel(q8, k8, v8, out, lse, g, descale_q, descale_k, descale_v, q_seg, kv_seg):
@@ -390,7 +451,14 @@ def _per_shard(kernel, operands, outputs):
 
 
 def _dequantized(tensors8, descales, dtype):
-  return [(x8.astype(jnp.float32) * d).astype(dtype) for x8, d in zip(tensors8, descales)]
+  """x8 * descale in `dtype`; a block descale [batch, heads, blocks] applies to its rows."""
+  def per_row(x8, d):
+    if jnp.ndim(d) == 0:
+      return d
+    rows = jnp.repeat(jnp.swapaxes(d, 1, 2), pallas_kernels.ATTENTION_SCALE_BLOCK, axis=1)
+    return rows[:, :x8.shape[1], :, None]
+  return [(x8.astype(jnp.float32) * per_row(x8, d)).astype(dtype)
+          for x8, d in zip(tensors8, descales)]
 
 
 def _fp8_attention_fwd(q, k, v, meta, q_seg, kv_seg, call):
@@ -412,6 +480,8 @@ def _fp8_attention_bwd(call, residuals, cotangents):
   else:
     dq, dk, dv = _fused_fp8_backward(call.backend, q8, k8, v8, descales, out, lse, g, q_seg,
                                      kv_seg, call)
+  if call.rotate:  # the gradients with respect to q R and k R, turned back
+    dq, dk = attention_rotation.unrotate(dq), attention_rotation.unrotate(dk)
   meta_in_cotangent = amaxes_unbatched_like(meta_cotangent, dataclasses.replace(
       meta_cotangent, grad=record_amax(meta_cotangent.grad, amax(g))))
   # q, k, v share a dtype, and the output (hence g) has it too.

@@ -34,7 +34,13 @@ The measured table is data, `attention_speeds.json` beside this module:
   {"source": the GPU benchmark it is derived from (benchmarks/results/),
    "failed_checks": rows a separate GPU check found wrong,
    "measured": {gpu_arch: {mask: {precision: {backend: {"forward_tflops",
-                                                       "backward_tflops", "validated"}}}}}}
+                                                       "backward_tflops", "validated"}}}}},
+   "tuning_source": the tuning run the next entry is from (or null),
+   "tuned": {gpu_arch: {precision: {mask: {head_dim: HopperAttentionBlockSizes fields}}}}}
+
+"tuned" holds the fastest tiles, pipeline depth and ping-pong setting of the Hopper
+kernels found by `python -m benchmarks.attention --tune` on that GPU; the Hopper backends
+run with them (`tuned_block_sizes`), and with the kernels' defaults where none is listed.
 
 mask is "none" or "causal" (what the benchmark measures; segment ids rank as the mask
 without them), precision "bf16" or "fp8". `validated` holds when the row's numerics
@@ -71,6 +77,7 @@ SPEEDS_FILE = pathlib.Path(__file__).with_name("attention_speeds.json")
 _SPEEDS = json.loads(SPEEDS_FILE.read_text())
 SOURCE = _SPEEDS["source"]
 MEASURED = _SPEEDS["measured"]
+TUNED = _SPEEDS.get("tuned", {})
 
 
 def seconds_per_forward_flop(entry: dict) -> float:
@@ -84,6 +91,24 @@ def measured(gpu_arch: str | None, mask: str, precision: str) -> dict:
   by_mask = MEASURED.get(gpu_arch or "", {})
   kind = "causal" if "causal" in mask else "none"
   return by_mask.get(kind, by_mask.get("none", {})).get(precision, {})
+
+
+def tuned_block_sizes(gpu_arch: str | None, precision: str, causal: bool,
+                      head_dim: int) -> dict | None:
+  """The Hopper kernels' tuned tiles for a GPU, precision, mask and head_dim.
+
+  Args:
+    gpu_arch: e.g. "sm_90" (None: no GPU).
+    precision: "bf16" or "fp8" (which kernels).
+    causal: the mask.
+    head_dim: the head dimension.
+
+  Returns:
+    The `pallas_kernels.HopperAttentionBlockSizes` fields from the table's "tuned"
+    entry, or None (the kernels' defaults) when none was measured.
+  """
+  by_mask = TUNED.get(gpu_arch or "", {}).get(precision, {})
+  return by_mask.get("causal" if causal else "none", {}).get(str(head_dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +131,8 @@ class BackendKey:
     compile_only: the platform is the compile target's, and this process has no such
       device (a deviceless compile, `fp8jax.mesh.target`): what needs the device to
       compile (cuDNN's fused attention) cannot be built; a kernel of fp8jax's stands in.
+    block_scaled: FP8 inputs with one scale per 128 rows of each head (which the
+      Triton-lowered "pallas" kernel does not take).
   """
 
   platform: str
@@ -119,6 +146,7 @@ class BackendKey:
   size_class: str
   equal_lengths: bool
   compile_only: bool = False
+  block_scaled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +159,7 @@ class BackendChoice:
 
 def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: bool,
              recipe_type: str | None, platform: str, gpu_arch: str | None,
-             compile_only: bool = False) -> BackendKey:
+             compile_only: bool = False, block_scaled: bool = False) -> BackendKey:
   """Builds the `BackendKey` for q [b, q_len, heads, d] and k [b, kv_len, kv_heads, d]."""
   mask = "+".join(m for m, on in (("causal", causal), ("segments", has_segments)) if on) or "none"
   q_len, kv_len = q_shape[1], k_shape[1]
@@ -140,7 +168,8 @@ def make_key(q_shape, k_shape, dtype, *, fp8: bool, causal: bool, has_segments: 
                     head_dim=int(q_shape[-1]), mask=mask, recipe_type=recipe_type,
                     gqa_ratio=int(q_shape[2] // k_shape[2]),
                     size_class="aligned" if aligned else "unaligned",
-                    equal_lengths=q_len == kv_len, compile_only=compile_only)
+                    equal_lengths=q_len == kv_len, compile_only=compile_only,
+                    block_scaled=block_scaled)
 
 
 def _why_not_hopper(key: BackendKey) -> str | None:
@@ -184,6 +213,9 @@ def select_backend(key: BackendKey, requested: str | None = None) -> BackendChoi
 def _cannot_run(name: str, key: BackendKey) -> str | None:
   if name == "pallas" and key.head_dim not in PALLAS_HEAD_DIMS:
     return f"head_dim {key.head_dim} is not one of {PALLAS_HEAD_DIMS}"
+  if name == "pallas" and key.fp8 and key.block_scaled:
+    return ("the Triton-lowered FP8 kernel takes one scale per tensor, not block scales; "
+            "use block_scales=False, or backend 'pallas_hopper_fp8' or 'xla'")
   if name == "pallas_hopper_fp8":
     if not key.fp8:
       return "it is an FP8 kernel and the inputs are not quantized"
@@ -239,7 +271,8 @@ def _choose(key: BackendKey) -> BackendChoice:
 def _stand_in_for_cudnn(key: BackendKey, choice: BackendChoice) -> BackendChoice:
   """A GPU would run cuDNN, which a compile without a GPU cannot build: the Hopper flash
   kernel (or the Pallas one off Hopper) compiles in its place, in the same precision."""
-  name = "pallas_hopper" if _cannot_run("pallas_hopper", key) is None else "pallas"
+  name = next(name for name in ("pallas_hopper", "pallas", "xla")
+              if _cannot_run(name, key) is None)
   why = (f"a GPU would run 'cudnn' here, which cannot be compiled without a GPU; "
          f"fp8jax's {name!r} kernel stands in for it in this deviceless compile")
   return BackendChoice(name, f"{why} ({choice.reason})" if choice.reason else why)
@@ -280,6 +313,10 @@ def _choose_by_measurement(key: BackendKey) -> BackendChoice:
     return BackendChoice(best_bf16[0], f"{why}; FP8 inputs run dequantized through "
                          f"{best_bf16[0]!r} (FP8 state still recorded; measurements: "
                          f"{SOURCE})")
+  why = f"no validated attention measurement for {key.gpu_arch}"
+  problem = _cannot_run("pallas", key)
+  if problem is not None:
+    return BackendChoice("xla", f"{why}, and the 'pallas' kernel cannot run this ({problem})")
   return BackendChoice(
-      "pallas", f"no validated attention measurement for {key.gpu_arch}; the "
-      "Triton-lowered FP8 kernel's dots run as f16 mma.sync, slower than bf16")
+      "pallas", f"{why}; the Triton-lowered FP8 kernel's dots run as f16 mma.sync, slower "
+      "than bf16")
