@@ -16,6 +16,7 @@ The references here are written from the definitions, not from fp8jax:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp8jax
 import fp8jax.checkpoint as ckpt
@@ -32,6 +34,7 @@ from fp8jax.core import nvfp4, rounding_keys
 from fp8jax.flax import Fp8Model, Fp8Rule
 from fp8jax.flax import linen as fp8nn
 from fp8_reference import round_to_fp8
+from multidevice import N_DEVICES, multidevice
 from test_block_quantize import rows_of_different_magnitudes
 
 
@@ -456,3 +459,31 @@ def test_native_gemm_refuses_a_contraction_of_partial_blocks():
   with pytest.raises(ValueError, match="NVFP4Scaling\\(gemm='native'\\).*40 elements.*"
                                        "multiple of 16.*gemm='emulated'"):
     recipe.target_gemm(a, b, jnp.float32, "sm_100")
+
+
+@multidevice
+def test_a_shard_map_step_keeps_one_rounding_key_on_every_device():
+  # The key travels through the step's all-reduce (a pmax of its own; its float0
+  # cotangent takes none) and comes back replicated, advanced once, as under plain jit.
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (8 * N_DEVICES, 32)),
+                     NamedSharding(mesh, P("data")))
+  params = {"k": jax.random.normal(jax.random.key(0), (32, 16))}
+
+  def loss(params, fp8_state, x):
+    y, fp8_state = fp8jax.fp8_dense(x, params["k"], None, fp8_state)
+    return jnp.sum(y ** 2), fp8_state
+
+  def step(params, fp8_state, x):
+    value, grads, fp8_state = fp8jax.value_and_grad(loss)(params, fp8_state, x)
+    return jax.lax.psum(value, "data"), grads, fp8_state
+
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                  out_specs=(P(), P(), P())))
+  state = fp8jax.init_dot_meta(fp8jax.NVFP4Scaling())
+  with warnings.catch_warnings():  # per-device block scales: warned once, expected here
+    warnings.simplefilter("ignore")
+    _, _, new_state = sharded(params, state, x)
+  np.testing.assert_array_equal(new_state.grad.rng,
+                                rounding_keys.next_step_key(state.grad.rng))
+  assert float(new_state.grad.amax_history[0]) > 0
