@@ -298,6 +298,23 @@ def test_stochastic_rounding_touches_the_gradients_only_and_follows_the_state_ke
     assert np.any(np.asarray(stepped[i]) != np.asarray(first[i]))  # the next step's key
 
 
+def test_gradient_accumulation_advances_the_key_once_per_step():
+  # The microbatches share the step's key (their gradients' amaxes make their draws
+  # differ); the step closes once, so the key moves on once.
+  params = {"k": jax.random.normal(jax.random.key(0), (32, 16))}
+
+  def loss(params, fp8_state, x):
+    y, fp8_state = fp8jax.fp8_dense(x, params["k"], None, fp8_state)
+    return jnp.sum(y ** 2), fp8_state
+
+  state = fp8jax.init_dot_meta(fp8jax.NVFP4Scaling())
+  microbatches = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  _, grads, new_state = jax.jit(lambda p, s, m: fp8jax.accumulate_gradients(loss, p, s, m))(
+      params, state, microbatches)
+  np.testing.assert_array_equal(new_state.grad.rng, rounding_keys.next_step_key(state.grad.rng))
+  assert np.all(np.isfinite(np.asarray(grads["k"]))) and np.any(np.asarray(grads["k"]) != 0)
+
+
 # ----- Training, state, checkpoints, Fp8Model rules, telemetry -------------------------------
 
 
