@@ -38,6 +38,11 @@ from multidevice import N_DEVICES, multidevice
 from test_block_quantize import rows_of_different_magnitudes
 
 
+# Jitted once per shape: the eager ops of one quantization would compile one by one.
+quantize = jax.jit(nvfp4.quantize_nvfp4, static_argnums=1)
+dequantize = jax.jit(bq.dequantize_blocks)
+
+
 def e2m1_grid() -> tuple[np.ndarray, np.ndarray]:
   """(codes 0..7, their float64 magnitudes) from the E2M1 bit layout."""
   codes = np.arange(8)
@@ -105,8 +110,8 @@ def test_every_representable_e2m1_value_round_trips():
   # d = 448 and the multiplier 1) and every other value, in a row and in a 16 x 16 block.
   row = np.concatenate([values[:8], values[9:], [6.0]]).astype(np.float32)[None, :]
   for x, block in ((row, (1, 16)), (np.tile(row, (16, 1)), (16, 16))):
-    got = nvfp4.quantize_nvfp4(jnp.asarray(x), block)
-    np.testing.assert_array_equal(np.asarray(bq.dequantize_blocks(got)), x)
+    got = quantize(jnp.asarray(x), block)
+    np.testing.assert_array_equal(np.asarray(dequantize(got)), x)
 
 
 def test_round_to_nearest_even_at_every_midpoint_and_between():
@@ -126,7 +131,7 @@ def test_quantizer_matches_the_float64_reference_bit_for_bit(shape, block):
   # (subnormal ones); the first 16 x 16 corner, 10**-9 smaller, flushes to 0.
   x = rows_of_different_magnitudes(shape)
   x[:16, :16] *= 1e-9
-  got = nvfp4.quantize_nvfp4(jnp.asarray(x), block)
+  got = quantize(jnp.asarray(x), block)
   assert_matches_reference(got, x, block)
   assert np.any(np.asarray(got.block_scale, np.float32) == 0)  # a flushed block is covered
 
@@ -138,7 +143,7 @@ def test_midpoints_of_scaled_blocks_round_to_even_in_the_quantizer():
   midpoints = (grid[1:] + grid[:-1]) / 2
   row = np.concatenate([midpoints, -midpoints, [6.0, -6.0]]).astype(np.float32)
   x = (row[None, :] * 2.0 ** np.arange(-3, 3)[:, None]).astype(np.float32)
-  got = nvfp4.quantize_nvfp4(jnp.asarray(x), (1, 16))
+  got = quantize(jnp.asarray(x), (1, 16))
   assert_matches_reference(got, x, (1, 16))
 
 
@@ -146,15 +151,15 @@ def test_scales_of_zero_and_non_finite_blocks():
   x = np.ones((2, 32), np.float32)
   x[0, :16] = 0.0
   x[1, 16] = np.nan
-  got = nvfp4.quantize_nvfp4(jnp.asarray(x), (1, 16))
+  got = quantize(jnp.asarray(x), (1, 16))
   d = np.asarray(got.block_scale, np.float32)
   assert d[0, 0] == 0 and np.isnan(d[1, 1])  # a block of zeros; a block holding NaN
-  deq = np.asarray(bq.dequantize_blocks(got))
+  deq = np.asarray(dequantize(got))
   assert np.all(deq[0, :16] == 0) and np.all(np.isnan(deq[1, 16:]))
   assert np.all(np.isfinite(deq[0, 16:])) and np.all(np.isfinite(deq[1, :16]))
   # A tensor of zeros keeps the fallback tensor scale 1 and dequantizes to zeros.
-  zeros = nvfp4.quantize_nvfp4(jnp.zeros((4, 16)), (1, 16))
-  assert float(zeros.tensor_scale) == 1.0 and not np.any(np.asarray(bq.dequantize_blocks(zeros)))
+  zeros = quantize(jnp.zeros((4, 16)), (1, 16))
+  assert float(zeros.tensor_scale) == 1.0 and not np.any(np.asarray(dequantize(zeros)))
 
 
 # ----- Stochastic rounding ------------------------------------------------------------------
@@ -172,7 +177,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
   def dequantized(keys):
     def one(key):
       u = rounding_keys.uniform(key, x.shape)
-      return bq.dequantize_blocks(nvfp4.quantize_nvfp4(jnp.asarray(x), (16, 16), u))
+      return dequantize(quantize(jnp.asarray(x), (16, 16), u))
     return jax.vmap(one)(keys)
 
   keys = jax.vmap(lambda i: rounding_keys.gemm_key(rounding_keys.initial_key(), "wgrad",
@@ -196,7 +201,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
   assert np.all(np.abs(error[~on_grid]) <= 4 * standard_error[~on_grid]), np.max(
       np.abs(error[~on_grid]) / standard_error[~on_grid])
   # Round to nearest is biased on the same elements: its mean error is far outside.
-  nearest = np.asarray(bq.dequantize_blocks(nvfp4.quantize_nvfp4(jnp.asarray(x), (16, 16))))
+  nearest = np.asarray(dequantize(quantize(jnp.asarray(x), (16, 16))))
   assert np.sum(np.abs(nearest - x)[~on_grid] > 4 * standard_error[~on_grid]) > 100
   # Equal keys draw equal numbers; other keys others.
   again = np.asarray(dequantized(keys[:2]), np.float64)
@@ -337,7 +342,8 @@ def _model():
                                  Fp8Rule(path="up", recipe=fp8jax.NVFP4Scaling())))
 
 
-def _train(model, params, fp8_state, opt_state, tx, steps):
+def _step(model, tx):
+  """One jitted training step of `model` on the regression (compiled once, reused)."""
   x, y = _regression()
 
   def loss_fn(params, fp8_state):
@@ -351,6 +357,10 @@ def _train(model, params, fp8_state, opt_state, tx, steps):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, fp8_state, loss
 
+  return step
+
+
+def _train(step, params, fp8_state, opt_state, steps):
   losses = []
   for _ in range(steps):
     params, opt_state, fp8_state, loss = step(params, opt_state, fp8_state)
@@ -367,18 +377,18 @@ def test_fp8_model_rules_train_under_nvfp4_and_a_checkpoint_resumes_bit_for_bit(
   assert state["up"]["dot_meta"].grad.rng.dtype == jnp.uint32
   tx = optax.adam(1e-2)
   params, opt_state = variables["params"], tx.init(variables["params"])
-  whole = _train(model, params, state, opt_state, tx, 40)
+  step = _step(model, tx)
+  whole = _train(step, params, state, opt_state, 40)
   # Adam at 1e-2 halves this regression's loss well within 40 steps in float32; a
   # broken gradient (wrong layout, a biased rounding) does not.
   assert np.all(np.isfinite(whole[3])) and whole[3][-1] < 0.5 * whole[3][0], whole[3]
   # Interrupted after 20 steps, saved, restored and continued: the same 40 steps.
-  half = _train(model, params, state, opt_state, tx, 20)
+  half = _train(step, params, state, opt_state, 20)
   path = ckpt.save(tmp_path / "c", params=half[0], opt_state=half[1], fp8_state=half[2])
   restored = ckpt.restore(path, params=half[0], opt_state=half[1], fp8_state=state)
   np.testing.assert_array_equal(restored["fp8_state"]["up"]["dot_meta"].grad.rng,
                                 half[2]["up"]["dot_meta"].grad.rng)
-  resumed = _train(model, restored["params"], restored["fp8_state"], restored["opt_state"],
-                   tx, 20)
+  resumed = _train(step, restored["params"], restored["fp8_state"], restored["opt_state"], 20)
   assert resumed[3] == whole[3][20:]
   for a, b in zip(jax.tree.leaves(resumed[:3]), jax.tree.leaves(whole[:3]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -457,22 +467,24 @@ def test_native_gemm_hands_scaled_matmul_the_emulations_operands(recipe, monkeyp
   # order (within 2 * (C + 4) * 2**-24 of sum |a||b|, as for the emulation).
   monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul_as_documented)
   rng = np.random.default_rng(6)
-  a = recipe.quantize_operand(jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.float32),
-                              recipe.forward_format, -1, False)
-  b = recipe.quantize_operand(jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.float32),
-                              recipe.forward_format, -2, True)
-  emulated = np.asarray(recipe.target_gemm(a, b, jnp.float32, "sm_90"), np.float64)
-  native = np.asarray(recipe.target_gemm(a, b, jnp.float32, "sm_100"), np.float64)
-  magnitude = np.abs(np.asarray(bq.dequantize_blocks(a), np.float64)) @ np.abs(
-      np.asarray(bq.dequantize_blocks(b), np.float64))
+  quantize_operand = jax.jit(recipe.quantize_operand, static_argnums=(1, 2, 3))
+  gemm = jax.jit(recipe.target_gemm, static_argnums=(2, 3))
+  a = quantize_operand(jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.float32),
+                       recipe.forward_format, -1, False)
+  b = quantize_operand(jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.float32),
+                       recipe.forward_format, -2, True)
+  emulated = np.asarray(gemm(a, b, jnp.float32, "sm_90"), np.float64)
+  native = np.asarray(gemm(a, b, jnp.float32, "sm_100"), np.float64)
+  magnitude = np.abs(np.asarray(dequantize(a), np.float64)) @ np.abs(
+      np.asarray(dequantize(b), np.float64))
   assert np.all(np.abs(native - emulated) <= 2 * (64 + 4) * 2.0**-24 * magnitude)
   assert np.max(np.abs(emulated)) > 1.0
 
 
 def test_native_gemm_refuses_a_contraction_of_partial_blocks():
   recipe = fp8jax.NVFP4Scaling(gemm="native")
-  a = recipe.quantize_operand(jnp.ones((8, 40)), fp8jax.E4M3, -1, False)
-  b = recipe.quantize_operand(jnp.ones((40, 8)), fp8jax.E4M3, -2, True)
+  a, b = (jax.eval_shape(recipe.quantize_operand, jnp.ones(shape), fp8jax.E4M3, axis, weight)
+          for shape, axis, weight in (((8, 40), -1, False), ((40, 8), -2, True)))
   with pytest.raises(ValueError, match="NVFP4Scaling\\(gemm='native'\\).*40 elements.*"
                                        "multiple of 16.*gemm='emulated'"):
     recipe.target_gemm(a, b, jnp.float32, "sm_100")
