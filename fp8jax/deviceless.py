@@ -27,8 +27,8 @@ from fp8jax import platform_guard  # noqa: F401  (the CUDA plugin must register 
 
 #: The H100 SXM target description deviceless compiles use (in `fp8jax.targets`).
 H100_TARGET = "h100_sxm.txtpb"
-# A Blackwell target for lowering checks only (which GEMM a program compiled for Blackwell
-# runs): the H100's description with Blackwell's compute capability, SM count and name.
+#: A B200 target description for lowering checks only (which GEMM a program compiled for
+#: Blackwell runs): the H100's with Blackwell's compute capability, SM count and name.
 B200_TARGET = "b200_lowering.txtpb"
 
 
@@ -94,6 +94,9 @@ def b200_mesh():
   capability 10.0 (`fp8jax.mesh.target.compile_target()` reads "sm_100"), so the recipes
   with `gemm="native"` take `jax.nn.scaled_matmul`. The target's memory and clock
   figures are the H100's: no basis for cost estimates.
+
+  Returns:
+    `jax.sharding.Mesh` of one compile-only B200 device, axis "x".
   """
   from jax.experimental import topologies
   from jax.sharding import Mesh

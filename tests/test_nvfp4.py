@@ -483,7 +483,8 @@ def test_native_gemm_hands_scaled_matmul_the_emulations_operands(recipe, monkeyp
 
 def test_native_gemm_refuses_a_contraction_of_partial_blocks():
   recipe = fp8jax.NVFP4Scaling(gemm="native")
-  a, b = (jax.eval_shape(recipe.quantize_operand, jnp.ones(shape), fp8jax.E4M3, axis, weight)
+  a, b = (jax.eval_shape(lambda t: recipe.quantize_operand(t, fp8jax.E4M3, axis, weight),
+                         jax.ShapeDtypeStruct(shape, jnp.float32))
           for shape, axis, weight in (((8, 40), -1, False), ((40, 8), -2, True)))
   with pytest.raises(ValueError, match="NVFP4Scaling\\(gemm='native'\\).*40 elements.*"
                                        "multiple of 16.*gemm='emulated'"):

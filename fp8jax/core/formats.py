@@ -42,7 +42,8 @@ class Fp8Format:
 E4M3 = Fp8Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 2.0**-6, 2.0**-9, 3)
 #: 5 exponent and 2 mantissa bits, largest 57344: gradients under "hybrid".
 E5M2 = Fp8Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2.0**-14, 2.0**-16, 2)
-# OCP MX v1.0, section 5.3.3: exponent bias 1, so normals 1..6 and one subnormal, 0.5.
+#: 2 exponent and 1 mantissa bits, largest 6: the values of NVFP4Scaling's blocks
+#: (OCP MX v1.0, 5.3.3: exponent bias 1, normals 1 to 6, one subnormal, 0.5).
 E2M1 = Fp8Format("e2m1", jnp.dtype(jnp.float4_e2m1fn), 6.0, 1.0, 0.5, 1)
 
 # Format choice -> (format of forward tensors, format of gradients).
