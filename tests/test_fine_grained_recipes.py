@@ -257,6 +257,24 @@ TRAIN_RECIPES = {
 }
 
 
+def linen_train_step(model, tx, x, y):
+  """A jitted Adam step `(params, opt_state, fp8_state) -> (..., loss)` of a linen model
+  (or `Fp8Model`) with FP8 state, on the mean squared error of `model(x)` to `y`."""
+
+  def loss_fn(params, fp8_state):
+    out, updated = model.apply({"params": params, fp8nn.FP8_COLLECTION: fp8_state}, x,
+                               mutable=[fp8nn.FP8_COLLECTION])
+    return jnp.mean((out - y) ** 2), updated[fp8nn.FP8_COLLECTION]
+
+  @jax.jit
+  def step(params, opt_state, fp8_state):
+    loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+
+  return step
+
+
 @pytest.mark.parametrize("recipe", TRAIN_RECIPES.values(), ids=list(TRAIN_RECIPES))
 def test_two_layer_flax_mlp_trains_under_the_recipe(recipe):
   import flax.linen as nn
@@ -274,18 +292,7 @@ def test_two_layer_flax_mlp_trains_under_the_recipe(recipe):
   params, fp8_state = variables["params"], variables[fp8nn.FP8_COLLECTION]
   tx = optax.adam(1e-2)
   opt_state = tx.init(params)
-
-  def loss_fn(params, fp8_state):
-    out, updated = model.apply({"params": params, fp8nn.FP8_COLLECTION: fp8_state}, x,
-                               mutable=[fp8nn.FP8_COLLECTION])
-    return jnp.mean((out - y) ** 2), updated[fp8nn.FP8_COLLECTION]
-
-  @jax.jit
-  def step(params, opt_state, fp8_state):
-    loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
-
+  step = linen_train_step(model, tx, x, y)
   losses = []
   for _ in range(30):
     params, opt_state, fp8_state, loss = step(params, opt_state, fp8_state)

@@ -36,6 +36,7 @@ from fp8jax.flax import linen as fp8nn
 from fp8_reference import round_to_fp8
 from multidevice import N_DEVICES, multidevice
 from test_block_quantize import rows_of_different_magnitudes
+from test_fine_grained_recipes import linen_train_step
 
 
 # Jitted once per shape: the eager ops of one quantization would compile one by one.
@@ -342,24 +343,6 @@ def _model():
                                  Fp8Rule(path="up", recipe=fp8jax.NVFP4Scaling())))
 
 
-def _step(model, tx):
-  """One jitted training step of `model` on the regression (compiled once, reused)."""
-  x, y = _regression()
-
-  def loss_fn(params, fp8_state):
-    out, updated = model.apply({"params": params, fp8nn.FP8_COLLECTION: fp8_state}, x,
-                               mutable=[fp8nn.FP8_COLLECTION])
-    return jnp.mean((out - y) ** 2), updated[fp8nn.FP8_COLLECTION]
-
-  @jax.jit
-  def step(params, opt_state, fp8_state):
-    loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
-
-  return step
-
-
 def _train(step, params, fp8_state, opt_state, steps):
   losses = []
   for _ in range(steps):
@@ -377,7 +360,7 @@ def test_fp8_model_rules_train_under_nvfp4_and_a_checkpoint_resumes_bit_for_bit(
   assert state["up"]["dot_meta"].grad.rng.dtype == jnp.uint32
   tx = optax.adam(1e-2)
   params, opt_state = variables["params"], tx.init(variables["params"])
-  step = _step(model, tx)
+  step = linen_train_step(model, tx, *_regression())
   whole = _train(step, params, state, opt_state, 40)
   # Adam at 1e-2 halves this regression's loss well within 40 steps in float32; a
   # broken gradient (wrong layout, a biased rounding) does not.
