@@ -15,7 +15,8 @@ included). The JSON holds:
     of seeds), seeds {seed: compare.json's runs}, versions and corpus (compare.json's),
     <recipe>_rel_gap_vs_bf16_mean / _max   over the seeds, each seed's gap against its own
                                            bf16 run (final_loss / bf16's - 1),
-    <recipe>_final_loss_mean, bf16_final_loss_spread [min, max] over the seeds,
+    <recipe>_final_loss_mean, <recipe>_final_loss_spread [min, max] over the seeds
+                                           (bf16's too),
     <recipe>_within_bf16_seed_spread       |recipe's mean - bf16's mean| <= bf16's max - min
 
 where a final loss is the mean training loss over the last 10% of the steps. `--table
@@ -52,6 +53,7 @@ def summarize(seeds: dict) -> dict:
     summary[f"{recipe}_rel_gap_vs_bf16_mean"] = float(np.mean(gaps))
     summary[f"{recipe}_rel_gap_vs_bf16_max"] = max(gaps)
     summary[f"{recipe}_final_loss_mean"] = float(np.mean(losses))
+    summary[f"{recipe}_final_loss_spread"] = [min(losses), max(losses)]
     summary[f"{recipe}_within_bf16_seed_spread"] = bool(
         abs(np.mean(losses) - np.mean(bf16)) <= max(bf16) - min(bf16))
   return summary

@@ -23,9 +23,9 @@ The code lives in layers, each importing only from those below it (docs/developm
 """
 # Before any JAX backend is used: keeps CPU-only machines with the CUDA plugin quiet.
 from fp8jax import platform_guard  # noqa: F401
-from fp8jax.core.formats import E4M3, E5M2, Fp8Format, formats_for
+from fp8jax.core.formats import E2M1, E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.core.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
-                                 Recipe, RowwiseScaling)
+                                 NVFP4Scaling, Recipe, RowwiseScaling)
 from fp8jax.core.meta import (AttentionMeta, DotMeta, Fp8Meta, RaggedDotMeta,
                               init_attention_meta, init_dot_meta, init_meta,
                               init_ragged_dot_meta, merge_stacked_metas, resize_history)
@@ -50,9 +50,9 @@ from fp8jax import deviceless, lowering, optim, telemetry  # noqa: F401
 from fp8jax.ops import attention_backend, fused_kernels  # noqa: F401
 
 __all__ = [
-    "E4M3", "E5M2", "Fp8Format", "formats_for",
+    "E2M1", "E4M3", "E5M2", "Fp8Format", "formats_for",
     "Recipe", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "BlockScaling",
-    "MXFP8Scaling",
+    "MXFP8Scaling", "NVFP4Scaling",
     "DotMeta", "Fp8Meta", "init_dot_meta", "init_meta", "merge_stacked_metas",
     "resize_history",
     "amax", "dequantize", "quantize",

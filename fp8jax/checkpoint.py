@@ -32,6 +32,10 @@ damage to an array with a probability of about 2**-32; it runs at several GB/s.
 Damage to a file that orbax does not read (e.g. the text of a commit marker)
 changes nothing that is restored, and is not reported.
 
+A recipe that rounds gradients stochastically (`NVFP4Scaling`) keeps a PRNG key in
+each gradient role (`Fp8Meta.rng`, uint32): saved and checksummed like every array, so
+a restored run draws the numbers the uninterrupted one would have.
+
 Versions: version 3 adds the checksums. Version 2 stores the four-field
 `Fp8Meta` (scale, scale_inv, amax_history, amax). Version 1 (fp8jax 0.1.0)
 stored scale and amax_history only; `restore` reads it into today's layout,
@@ -149,6 +153,9 @@ def _orbax():
 # that does not use them is the one earlier fp8jax wrote (and older checkpoints
 # still match their targets). `recipe_from_description` fills in the defaults.
 _OPTIONAL_RECIPE_FIELDS = {"power_of_two": False, "high_precision": ()}
+# The same, for options one built-in recipe class gained ("gemm" is an older field of
+# BlockScaling's, always written there).
+_OPTIONAL_FIELDS_OF_KIND = {"MXFP8Scaling": {"scale_rounding": "floor", "gemm": "emulated"}}
 
 
 def describe_recipe(recipe) -> dict:
@@ -159,9 +166,10 @@ def describe_recipe(recipe) -> dict:
   """
   kind = recipe_kind(type(recipe))
   built_in = ":" not in kind  # a recipe of your own keeps every field: its defaults may differ
+  optional = {**_OPTIONAL_RECIPE_FIELDS, **_OPTIONAL_FIELDS_OF_KIND.get(kind, {})}
   fields = {}
   for name, value in dataclasses.asdict(recipe).items():
-    if built_in and name in _OPTIONAL_RECIPE_FIELDS and value == _OPTIONAL_RECIPE_FIELDS[name]:
+    if built_in and name in optional and value == optional[name]:
       continue
     fields[name] = list(value) if isinstance(value, tuple) else value
   return {"kind": kind, **fields}
@@ -235,7 +243,9 @@ def describe(params: Any, opt_state: Any, fp8_state: Any, metadata: dict | None 
     metas[jax.tree_util.keystr(path)] = {
         "recipe": describe_recipe(meta.recipe), "fmt": meta.fmt.name,
         "scale_shape": list(np.shape(meta.scale)),
-        "history_shape": list(np.shape(meta.amax_history))}
+        "history_shape": list(np.shape(meta.amax_history)),
+        # A stochastic-rounding key, only where there is one (earlier descriptions match).
+        **({"rng_shape": list(np.shape(meta.rng))} if meta.rng is not None else {})}
   description = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays,
                  "fp8_metas": metas, "metadata": dict(metadata or {}),
                  "crc32": {name: _tree_checksums(tree) for name, tree in trees.items()}}
@@ -830,12 +840,13 @@ def _with_saved_recipes(fp8_state: Any, saved: dict) -> Any:
     want = saved[key]
     # The saved shapes (the history length may differ from the target's), the
     # target's placement: restore reads each array straight onto its shardings.
-    def spec(field, shape):
-      return jax.ShapeDtypeStruct(tuple(shape), np.float32,
+    def spec(field, shape, dtype=np.float32):
+      return jax.ShapeDtypeStruct(tuple(shape), dtype,
                                   sharding=getattr(getattr(meta, field), "sharding", None))
     converted.append(Fp8Meta(
         scale=spec("scale", want["scale_shape"]), scale_inv=spec("scale_inv", want["scale_shape"]),
         amax_history=spec("amax_history", want["history_shape"]),
         amax=spec("amax", want["scale_shape"]),
-        recipe=recipe_from_description(want["recipe"]), fmt=_FORMATS[want["fmt"]]))
+        recipe=recipe_from_description(want["recipe"]), fmt=_FORMATS[want["fmt"]],
+        rng=spec("rng", want["rng_shape"], np.uint32) if "rng_shape" in want else None))
   return jax.tree.unflatten(treedef, converted)

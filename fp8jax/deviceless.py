@@ -27,6 +27,9 @@ from fp8jax import platform_guard  # noqa: F401  (the CUDA plugin must register 
 
 #: The H100 SXM target description deviceless compiles use (in `fp8jax.targets`).
 H100_TARGET = "h100_sxm.txtpb"
+#: A B200 target description for lowering checks only (which GEMM a program compiled for
+#: Blackwell runs): the H100's with Blackwell's compute capability, SM count and name.
+B200_TARGET = "b200_lowering.txtpb"
 
 
 CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
@@ -81,6 +84,29 @@ def h100_devices(count: int = 1):
   topology = topologies.get_topology_desc(
       "h100", "cuda", target_config=h100_target_description(), topology=f"1x1x{count}")
   return tuple(topology.devices)
+
+
+@functools.lru_cache(maxsize=None)
+def b200_mesh():
+  """A one-device `Mesh` ("x") of a deviceless B200, for lowering checks only.
+
+  Traced under `jax.set_mesh(b200_mesh())`, a program is compiled for compute
+  capability 10.0 (`fp8jax.mesh.target.compile_target()` reads "sm_100"), so the recipes
+  with `gemm="native"` take `jax.nn.scaled_matmul`. The target's memory and clock
+  figures are the H100's: no basis for cost estimates.
+
+  Returns:
+    `jax.sharding.Mesh` of one compile-only B200 device, axis "x".
+  """
+  from jax.experimental import topologies
+  from jax.sharding import Mesh
+  missing = deviceless_toolchain_missing()
+  if missing:
+    raise RuntimeError(f"Cannot compile for a B200 without a GPU: {missing}")
+  target = importlib.resources.files("fp8jax.targets").joinpath(B200_TARGET).read_text()
+  topology = topologies.get_topology_desc("b200", "cuda", target_config=target,
+                                          topology="1x1x1")
+  return Mesh(list(topology.devices), ("x",))
 
 
 def h100_mesh(**axes: int):

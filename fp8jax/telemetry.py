@@ -112,10 +112,12 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
   where `q = fp8(clip(float32(x) * s, ±fmt.max))` rounded to nearest even. For the
   per-tensor recipes `s` is `cast_scale(meta, amax(x), x)`, what
   `fp8jax.ops.cast.quantize_with_meta` uses. For the per-row / per-block recipes
-  (`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`) it is the forward GEMM's
-  scale of the element's row, column, tile or block along the contraction axis,
-  from `fp8jax.core.blocks` as `fp8jax.ops.fine_grained_dot` computes it, and the
-  reported `scale` is the smallest (the one of the largest block amax).
+  (`RowwiseScaling`, `BlockScaling`, `MXFP8Scaling`, `NVFP4Scaling`) it is the
+  forward GEMM's scale of the element's row, column, tile or block along the
+  contraction axis, from `fp8jax.core.blocks` as `fp8jax.ops.fine_grained_dot`
+  computes it, and the reported `scale` is the smallest (the one of the largest
+  block amax); `fmt` is then the format the values are written in
+  (`Recipe.element_format`: E2M1, max 6 and smallest normal 1, under NVFP4).
 
   A tensor's (or row's, block's) largest element counts as saturated when
   `fmt.max / amax`, rounded to float32, makes its product exceed fmt.max by an
@@ -163,6 +165,7 @@ def tensor_stats(x: jax.Array, meta: Fp8Meta, operand: str = "lhs",
     scale = expand_blocks(block_scale, quantized.block, x2.shape)
     q, x, dequantized = quantized.q, x2, dequantize_blocks(quantized)
     reported_scale = jnp.min(block_scale)
+    fmt = meta.recipe.element_format(fmt)  # what q is in: E2M1 under NVFP4Scaling
   else:
     scale = cast_scale(meta, x_amax, like=x)
     q = quantize(x, scale, fmt)

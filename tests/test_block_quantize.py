@@ -9,7 +9,8 @@ out from the definitions:
   logarithm of that float32 value; amax 0 (or a non-finite quotient): scale 1;
 * MX (OCP MX v1.0): shared_exp = floor(log2(amax)) - emax (via np.frexp, exact),
   clipped to the E8M0 range [-127, 127], -127 for an all-zero block; scale
-  2**-shared_exp;
+  2**-shared_exp; NVIDIA's round-up rule ("mx_round_up"): the smallest integer
+  shared_exp with amax <= fmt.max * 2**shared_exp (exact in float64), clipped alike;
 * elements: `tests/fp8_reference.quantize_reference` (product in float32,
   saturate, round half to even onto the FP8 grid);
 * dequantized: q * float32(1 / scale), rounded to float32 (the product of a
@@ -65,6 +66,18 @@ def reference_mx_shared_exponent(amax, name):
   return int(np.clip(exponent - 1 - EMAX[name], -127, 127))
 
 
+def reference_mx_round_up_exponent(amax, name):
+  """The smallest s with amax <= fmt.max * 2**s: ceil(log2(amax / fmt.max)), exactly."""
+  if amax == 0:
+    return -127
+  s = reference_mx_shared_exponent(amax, name)  # floor(log2(amax)) - emax: a lower bound
+  while amax > FORMAT_TABLE[name]["max"] * 2.0**s:  # exact: a power-of-two product
+    s += 1
+  while s > -127 and amax <= FORMAT_TABLE[name]["max"] * 2.0**(s - 1):
+    s -= 1
+  return int(np.clip(s, -127, 127))
+
+
 def reference_quantize(x, block, name, rule):
   """(q values, scale_inv per block, dequantized values) as float64 / float32 arrays."""
   q = np.zeros(x.shape)
@@ -75,6 +88,8 @@ def reference_quantize(x, block, name, rule):
     amax = float(np.max(np.abs(x[rs, cs].astype(np.float64))))
     if rule == "mx":
       scale = np.float32(2.0**-reference_mx_shared_exponent(amax, name))
+    elif rule == "mx_round_up":
+      scale = np.float32(2.0**-reference_mx_round_up_exponent(amax, name))
     else:
       scale = reference_float32_scale(amax, name, power_of_two=(rule == "power_of_two"))
     inv = np.float32(1.0) / scale

@@ -46,6 +46,7 @@ RECIPES = {
                                              power_of_two=True),
     "mxfp8": fp8jax.MXFP8Scaling(),
     "mxfp8_e5m2": fp8jax.MXFP8Scaling(fp8_format="e5m2"),
+    "mxfp8_round_up": fp8jax.MXFP8Scaling(scale_rounding="round_up"),
 }
 
 
@@ -64,7 +65,8 @@ def reference_operand(recipe, role, t, axis):
   """(dequantized float64 values, per-element float64 error bound) of one GEMM operand."""
   fmt = (recipe.gradient_format if role == "grad" else recipe.forward_format).name
   block = gemm_blocks(recipe, role, t.shape, axis)
-  rule = ("mx" if isinstance(recipe, fp8jax.MXFP8Scaling)
+  rule = ({"floor": "mx", "round_up": "mx_round_up"}[recipe.scale_rounding]
+          if isinstance(recipe, fp8jax.MXFP8Scaling)
           else "power_of_two" if recipe.power_of_two else "float32")
   _, scale_inv, deq = reference_quantize(t, block, fmt, rule)
   inv = np.asarray(bq.expand_blocks(jnp.asarray(scale_inv), block, t.shape), np.float64)
@@ -251,7 +253,26 @@ TRAIN_RECIPES = {
     "rowwise": fp8jax.RowwiseScaling(),
     "block": fp8jax.BlockScaling(block_size=16),
     "mxfp8": fp8jax.MXFP8Scaling(),
+    "mxfp8_round_up": fp8jax.MXFP8Scaling(scale_rounding="round_up"),
 }
+
+
+def linen_train_step(model, tx, x, y):
+  """A jitted Adam step `(params, opt_state, fp8_state) -> (..., loss)` of a linen model
+  (or `Fp8Model`) with FP8 state, on the mean squared error of `model(x)` to `y`."""
+
+  def loss_fn(params, fp8_state):
+    out, updated = model.apply({"params": params, fp8nn.FP8_COLLECTION: fp8_state}, x,
+                               mutable=[fp8nn.FP8_COLLECTION])
+    return jnp.mean((out - y) ** 2), updated[fp8nn.FP8_COLLECTION]
+
+  @jax.jit
+  def step(params, opt_state, fp8_state):
+    loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+
+  return step
 
 
 @pytest.mark.parametrize("recipe", TRAIN_RECIPES.values(), ids=list(TRAIN_RECIPES))
@@ -271,18 +292,7 @@ def test_two_layer_flax_mlp_trains_under_the_recipe(recipe):
   params, fp8_state = variables["params"], variables[fp8nn.FP8_COLLECTION]
   tx = optax.adam(1e-2)
   opt_state = tx.init(params)
-
-  def loss_fn(params, fp8_state):
-    out, updated = model.apply({"params": params, fp8nn.FP8_COLLECTION: fp8_state}, x,
-                               mutable=[fp8nn.FP8_COLLECTION])
-    return jnp.mean((out - y) ** 2), updated[fp8nn.FP8_COLLECTION]
-
-  @jax.jit
-  def step(params, opt_state, fp8_state):
-    loss, grads, fp8_state = fp8jax.value_and_grad(loss_fn)(params, fp8_state)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
-
+  step = linen_train_step(model, tx, x, y)
   losses = []
   for _ in range(30):
     params, opt_state, fp8_state, loss = step(params, opt_state, fp8_state)
@@ -296,7 +306,9 @@ def test_two_layer_flax_mlp_trains_under_the_recipe(recipe):
     fp8jax.RowwiseScaling(power_of_two=True, high_precision=("wgrad",)),
     fp8jax.BlockScaling(block_size=64, high_precision=["dgrad", "wgrad"]),
     fp8jax.MXFP8Scaling(fp8_format="e5m2", high_precision=("fprop",)),
-], ids=["rowwise", "block", "mxfp8"])
+    fp8jax.MXFP8Scaling(scale_rounding="round_up", gemm="native"),
+    fp8jax.NVFP4Scaling(weight_blocks="1x16", hadamard=False, high_precision=("wgrad",)),
+], ids=["rowwise", "block", "mxfp8", "mxfp8_round_up", "nvfp4"])
 def test_checkpoint_restores_the_same_recipe_with_tuple_fields(tmp_path, recipe):
   fp8_state = {"l1": fp8jax.init_dot_meta(recipe)}
   params = {"w": jnp.arange(6.0).reshape(2, 3)}

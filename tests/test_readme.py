@@ -217,3 +217,30 @@ def test_the_pages_name_the_recorded_machine_wherever_they_quote_its_times_and_s
   gaps = [run["rel_gap_vs_bf16"] for runs in seeds["seeds"].values() for run in runs
           if run["recipe"] != "bf16"]
   assert f"three seeds give here ({_percent(min(gaps))} to {_percent(max(gaps))})" in text
+
+
+def test_blackwell_recipe_figures_are_the_recorded_three_seeds():
+  record = _record("compare_recipes_cpu_3_seeds.json")
+  assert set(record["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "numpy"}
+  readme = " ".join(README.read_text().split())
+  guide = (GUIDES / "recipes.md").read_text()
+  seeds = sorted(record["seeds"], key=int)
+  assert seeds == ["0", "1", "2"] and record["config"]["steps"] == 250
+  bf16 = [next(r["final_loss"] for r in record["seeds"][s] if r["recipe"] == "bf16")
+          for s in seeds]
+  assert f"spans {max(bf16) - min(bf16):.4f}" in " ".join(guide.split())
+  assert f"spans {max(bf16) - min(bf16):.4f} over the seeds" in readme
+  for recipe, said in (("mxfp8", "with MXFP8 under OCP's rule"),
+                       ("mxfp8_round_up", "under NVIDIA's"), ("nvfp4", "with NVFP4")):
+    gaps = [_gap(record["seeds"][seed], recipe) for seed in seeds]
+    assert record[f"{recipe}_rel_gap_vs_bf16_mean"] == pytest.approx(np.mean(gaps), rel=1e-12)
+    assert f"{_percent(np.mean(gaps))} {said}" in readme
+  # The guide's table: each seed's gap and final loss, the mean gap, the spread.
+  for recipe in ("bf16", "delayed", "mxfp8", "mxfp8_round_up", "nvfp4"):
+    runs = [next(r for r in record["seeds"][s] if r["recipe"] == recipe) for s in seeds]
+    finals = [run["final_loss"] for run in runs]
+    cells = [f"{_percent(run['rel_gap_vs_bf16'])} ({run['final_loss']:.4f})" for run in runs]
+    mean_gap = "" if recipe == "bf16" else _percent(np.mean([r["rel_gap_vs_bf16"] for r in runs]))
+    row = (f"| {recipe} | {' | '.join(cells)} | {mean_gap} | {np.mean(finals):.4f}, "
+           f"{min(finals):.4f}-{max(finals):.4f} ({max(finals) - min(finals):.4f}) |")
+    assert row in guide, row

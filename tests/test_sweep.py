@@ -57,6 +57,25 @@ def test_a_knob_multiplies_only_the_recipes_whose_dataclass_has_its_field():
   assert built["bf16"].recipe_object is None
 
 
+def test_the_mxfp8_and_nvfp4_knobs_multiply_only_their_recipes():
+  points = grid_points({"recipes": ["delayed", "mxfp8", "nvfp4"],
+                        "scale_rounding": ["floor", "round_up"],
+                        "stochastic_rounding": [False, True], "hadamard": [True]})
+  assert [p.name for p in points] == [
+      "bf16", "delayed", "mxfp8,scale-rounding=floor", "mxfp8,scale-rounding=round_up",
+      "nvfp4,stochastic-rounding=0,hadamard=1", "nvfp4,stochastic-rounding=1,hadamard=1"]
+  built = {p.name: runs.RunConfig(recipe=p.recipe, recipe_options=p.options or None)
+           for p in points}
+  assert built["mxfp8,scale-rounding=round_up"].recipe_object == fp8jax.MXFP8Scaling(
+      scale_rounding="round_up")
+  assert built["nvfp4,stochastic-rounding=0,hadamard=1"].recipe_object == (
+      fp8jax.NVFP4Scaling(stochastic_rounding=False))
+  # The named recipes of the demo: NVIDIA's MXFP8 rule and NVFP4 as NVIDIA trains with it.
+  assert runs.RunConfig(recipe="mxfp8_round_up").recipe_object == fp8jax.MXFP8Scaling(
+      scale_rounding="round_up")
+  assert runs.RunConfig(recipe="nvfp4").recipe_object == fp8jax.NVFP4Scaling()
+
+
 def test_sweep_json_has_one_run_per_point_with_the_loss_and_gap_of_compare(swept):
   out, report = swept
   saved = json.loads((out / "sweep.json").read_text())
@@ -150,6 +169,12 @@ def test_the_command_line_runs_the_same_sweep_and_prints_the_table(swept, tmp_pa
     (["--recipes", "delayed", "--power-of-two", "maybe"],
      "--power-of-two 'maybe': expected 0 or 1"),
     (["--predict-size", "100"], "--predict-size 100 must be a positive multiple of 16"),
+    (["--recipes", "delayed", "--scale-rounding", "floor"],
+     "--scale-rounding applies to none of the recipes"),
+    (["--recipes", "nvfp4", "--weight-blocks", "32x32"],
+     "--weight-blocks 32x32 is not valid for nvfp4: weight_blocks='32x32'"),
+    (["--recipes", "mxfp8", "--scale-rounding", "nearest"],
+     "--scale-rounding nearest is not valid for mxfp8: scale_rounding='nearest'"),
 ])
 def test_a_bad_grid_is_one_line_before_anything_trains(argv, message, tmp_path, capsys):
   status = main(["sweep", "--out", str(tmp_path / "sweep"), *ARGV, *argv])

@@ -14,6 +14,11 @@ _KNOB_FLAGS = {
     "high_precision": ("GEMMs kept in bf16: none, or fprop, dgrad, wgrad joined by +", "tuple",
                        "none,wgrad,dgrad+wgrad"),
     "block_size": ("tile sizes of block scaling", "int", "64,128"),
+    "scale_rounding": ("MXFP8 shared-scale rules: floor (OCP), round_up (NVIDIA)", "str",
+                       "floor,round_up"),
+    "weight_blocks": ("NVFP4 weight blocks: 16x16, 1x16", "str", "16x16,1x16"),
+    "hadamard": ("NVFP4's Hadamard transform of the wgrad inputs: 0, 1", "bool", "0,1"),
+    "stochastic_rounding": ("NVFP4's stochastic rounding of gradients: 0, 1", "bool", "0,1"),
 }
 
 

@@ -12,7 +12,8 @@ def add_parser(commands) -> None:
                   "to --out. With --resume, settings not given are the run's own.")
   add_run_options(parser, default_out="out/train")
   parser.add_argument("--recipe", default=None,
-                      help="bf16, delayed, current, rowwise, block or mxfp8 (default: delayed)")
+                      help="bf16, delayed, current, rowwise, block, mxfp8, mxfp8_round_up "
+                           "or nvfp4 (default: delayed)")
   start = parser.add_mutually_exclusive_group()
   start.add_argument("--resume", action="store_true",
                      help="continue the run in --out from its newest complete checkpoint")

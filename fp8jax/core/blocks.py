@@ -13,6 +13,9 @@ Per block b with `amax_b = max |x|` over the block:
                      positive number: scale_b = 1)
     MX (E8M0):       shared_b = clip(floor(log2(amax_b)) - emax, -127, 127),
                      scale_inv_b = 2**shared_b, scale_b = 2**-shared_b
+                     (scale_rounding "round_up": shared_b = clip(ceil(log2(
+                     amax_b / fmt.max)), -127, 127), the smallest power of two
+                     that saturates no element)
     elements:        q = saturate(x * scale_b)  in fmt (product in float32,
                      clipped to +-fmt.max, rounded to nearest even)
     dequantized:     q * scale_inv_b,  scale_inv_b = 1 / scale_b
@@ -28,6 +31,15 @@ amax is 0 has floor(log2 0) = -inf, clamped to the smallest E8M0 value, 2**-127
 (the convention of the OCP reference code); its elements are all 0. A block
 holding a NaN or an infinity gets the E8M0 NaN (code 255): every element of it
 dequantizes to NaN.
+
+NVIDIA's MXFP8 training recipe rounds the other way (`scale_rounding="round_up"`):
+the shared scale is amax / fmt.max rounded up to a power of two, so the block's
+largest element lands in (fmt.max / 2, fmt.max] and nothing saturates. The two
+rules agree when amax's significand is at most fmt.max's (1.75 for E4M3 and E5M2:
+amax in [2**k, 1.75 * 2**k]); for a significand in (1.75, 2) the round-up rule's
+scale is twice the floor rule's, where the floor rule would saturate the largest
+elements (they land in (448, 512) for E4M3) and the round-up rule keeps them at
+half the range, one bit less precise.
 
 GEMMs of `A [..., P, C] @ B [..., C, Q]` quantized along C (`Recipe.operand_gemm`):
 
@@ -48,6 +60,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from fp8jax.core.formats import E4M3, E5M2, Fp8Format
@@ -58,6 +71,10 @@ from fp8jax.core.validation import check_floating, check_format
 MX_EMAX = {E4M3.name: 8, E5M2.name: 15}
 MX_BLOCK = 32
 E8M0_NAN = 255
+# How an MX block's shared exponent is rounded: OCP MX v1.0's floor(log2(amax)) - emax,
+# or NVIDIA's MXFP8 recipe's ceil(log2(amax / fmt.max)).
+MX_SCALE_ROUNDINGS = ("floor", "round_up")
+_SIGNIFICAND_BITS = 0x007FFFFF  # the stored significand (mantissa) field of a float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,19 +162,40 @@ def quantize_rows(x: jax.Array, fmt: Fp8Format, axis: int,
   return quantize_blocks(x, fmt, (1, cols) if axis == -1 else (rows, 1), power_of_two)
 
 
-def mx_shared_exponents(amax: jax.Array, fmt: Fp8Format) -> jax.Array:
+def mx_shared_exponents(amax: jax.Array, fmt: Fp8Format,
+                        scale_rounding: str = "floor") -> jax.Array:
   """E8M0 codes (uint8, `shared_exp + 127`; 255 for NaN) of blocks with absolute max `amax`.
 
-  `shared_exp = clip(floor(log2(amax)) - emax, -127, 127)`. floor(log2(amax)) is
-  read from amax's float32 exponent field; for amax 0 or subnormal the field
-  reads -127, and any value that low clamps to -127 after subtracting emax (>= 8)
-  just as the exact floor(log2(amax)) would.
+  "floor" (OCP MX v1.0): `shared_exp = clip(floor(log2(amax)) - emax, -127, 127)`.
+  "round_up" (NVIDIA's MXFP8 recipe): `shared_exp = clip(ceil(log2(amax / fmt.max)),
+  -127, 127)`, exactly: with amax = m * 2**e (m in [1, 2)) and fmt.max = 1.75 * 2**emax,
+  that is `e - emax`, plus 1 where m > 1.75 (compared on the float32 significand bits,
+  so no rounding of amax / fmt.max moves a block across the boundary).
+  floor(log2(amax)) is read from amax's float32 exponent field; for amax 0 or
+  subnormal the field reads -127, and any value that low clamps to -127 after
+  subtracting emax (>= 8) just as the exact logarithm would.
   """
   check_format(fmt, "fmt")
+  check_scale_rounding(scale_rounding)
   amax = jnp.asarray(amax, jnp.float32)
-  shared = jnp.clip(floor_log2(amax) - MX_EMAX[fmt.name], -127, 127)
+  shared = floor_log2(amax) - MX_EMAX[fmt.name]
+  if scale_rounding == "round_up":
+    significand = jax.lax.bitcast_convert_type(amax, jnp.int32) & _SIGNIFICAND_BITS
+    max_significand = int(np.float32(fmt.max).view(np.int32)) & _SIGNIFICAND_BITS
+    shared = shared + (significand > max_significand).astype(jnp.int32)
+  shared = jnp.clip(shared, -127, 127)
   codes = jnp.where(jnp.isfinite(amax), shared + 127, E8M0_NAN)
   return codes.astype(jnp.uint8)
+
+
+def check_scale_rounding(scale_rounding) -> None:
+  """Raises ValueError unless `scale_rounding` is one of `MX_SCALE_ROUNDINGS`."""
+  if scale_rounding not in MX_SCALE_ROUNDINGS:
+    raise ValueError(
+        f"scale_rounding={scale_rounding!r} is not an MX scale rule; use 'floor' (OCP MX "
+        "v1.0: floor(log2(amax)) - emax; a block's largest elements may saturate) or "
+        "'round_up' (NVIDIA's MXFP8 recipe: amax / fmt.max rounded up to a power of two; "
+        "nothing saturates).")
 
 
 def e8m0_to_float32(codes: jax.Array) -> jax.Array:
@@ -169,8 +207,11 @@ def e8m0_to_float32(codes: jax.Array) -> jax.Array:
   return jnp.where(codes == E8M0_NAN, jnp.float32(jnp.nan), value)
 
 
-def quantize_mx(x: jax.Array, fmt: Fp8Format, axis: int = -1) -> BlockQuantized:
+def quantize_mx(x: jax.Array, fmt: Fp8Format, axis: int = -1,
+                scale_rounding: str = "floor") -> BlockQuantized:
   """MXFP8: `x [..., R, C]` in blocks of 32 along `axis` (-1 or -2) with E8M0 scales.
+
+  `scale_rounding`: "floor" (OCP MX) or "round_up" (NVIDIA), as `mx_shared_exponents`.
 
   Returns:
     `BlockQuantized` with block (1, 32) or (32, 1); `scale_inv` is the shared
@@ -179,7 +220,7 @@ def quantize_mx(x: jax.Array, fmt: Fp8Format, axis: int = -1) -> BlockQuantized:
   check_floating(x, "x")
   check_format(fmt, "fmt")
   block = (1, MX_BLOCK) if axis == -1 else (MX_BLOCK, 1)
-  codes = mx_shared_exponents(block_amax(x, block), fmt)
+  codes = mx_shared_exponents(block_amax(x, block), fmt, scale_rounding)
   quantized = quantize_with_block_scales(x, _e8m0_reciprocal(codes), block, fmt)
   # The stored descale is the E8M0 value itself (2**-127 for a block of zeros).
   return dataclasses.replace(quantized, scale_inv=e8m0_to_float32(codes))

@@ -1,6 +1,9 @@
-"""FP8 number formats: E4M3 and E5M2, as in the OCP FP8 specification.
+"""FP8 number formats: E4M3 and E5M2, as in the OCP FP8 specification; and E2M1.
 
 Each format is described by its JAX dtype and the constants of its number line.
+E2M1 (the 4-bit element format of OCP MX's MXFP4 and of NVIDIA's NVFP4: 0, 0.5,
+1, 1.5, 2, 3, 4, 6 and their negatives, no inf or NaN) is described the same way;
+fp8jax casts to it only inside `NVFP4Scaling`, which scales its blocks in E4M3.
 A *format choice* ("hybrid" or "e4m3") says which format the forward tensors
 (activations, kernels) and the backward tensors (output gradients) use.
 """
@@ -13,15 +16,15 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Format:
-  """One FP8 number format.
+  """One FP8 number format (or E2M1, the 4-bit element format of NVFP4).
 
   Attributes:
-    name: "e4m3" or "e5m2".
-    dtype: the JAX dtype (`jnp.float8_e4m3fn` or `jnp.float8_e5m2`).
-    max: largest finite value (448 for E4M3, 57344 for E5M2).
-    min_normal: smallest positive normal value (2**-6 and 2**-14).
-    min_subnormal: smallest positive subnormal value (2**-9 and 2**-16).
-    mantissa_bits: explicit mantissa bits (3 and 2).
+    name: "e4m3", "e5m2" (or "e2m1").
+    dtype: the JAX dtype (`jnp.float8_e4m3fn`, `jnp.float8_e5m2`; `jnp.float4_e2m1fn`).
+    max: largest finite value (448 for E4M3, 57344 for E5M2; 6 for E2M1).
+    min_normal: smallest positive normal value (2**-6 and 2**-14; 1).
+    min_subnormal: smallest positive subnormal value (2**-9 and 2**-16; 0.5).
+    mantissa_bits: explicit mantissa bits (3 and 2; 1).
   """
 
   name: str
@@ -39,6 +42,9 @@ class Fp8Format:
 E4M3 = Fp8Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 2.0**-6, 2.0**-9, 3)
 #: 5 exponent and 2 mantissa bits, largest 57344: gradients under "hybrid".
 E5M2 = Fp8Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2.0**-14, 2.0**-16, 2)
+#: 2 exponent and 1 mantissa bits, largest 6: the values of NVFP4Scaling's blocks
+#: (OCP MX v1.0, 5.3.3: exponent bias 1, normals 1 to 6, one subnormal, 0.5).
+E2M1 = Fp8Format("e2m1", jnp.dtype(jnp.float4_e2m1fn), 6.0, 1.0, 0.5, 1)
 
 # Format choice -> (format of forward tensors, format of gradients).
 FORMAT_CHOICES = {

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fp8jax.core import rounding_keys
 from fp8jax.core.formats import E4M3, Fp8Format
 from fp8jax.core.quantize import amax_max, scale_from_amax, unbatched_like
 from fp8jax.core.recipes import Recipe, check_recipe
@@ -49,6 +50,11 @@ class Fp8Meta:
       between steps).
     recipe: static; the scaling recipe this state follows.
     fmt: static; the FP8 format this role is cast to.
+    rng: None, or for the gradient role of a matmul whose recipe rounds gradients
+      stochastically (`Recipe.stochastic_rounding`) uint32 [2] (or [n, 2] stacked):
+      the PRNG key of this step's rounding (`fp8jax.core.rounding_keys`). An integer
+      leaf: `jax.grad` over such a state needs `allow_int=True` (as
+      `fp8jax.value_and_grad` passes).
 
   Change `scale` only through `with_scale`, which keeps `scale_inv` in step.
   """
@@ -59,6 +65,7 @@ class Fp8Meta:
   amax: jax.Array
   recipe: Recipe
   fmt: Fp8Format
+  rng: jax.Array | None = None
 
   def with_scale(self, scale: jax.Array) -> "Fp8Meta":
     """This meta with `scale` and its reciprocal `scale_inv = 1 / scale` replaced."""
@@ -68,8 +75,9 @@ class Fp8Meta:
 
 DATA_FIELDS = ("scale", "scale_inv", "amax_history", "amax")
 
+# `rng` is None (no leaf) for every role but a stochastically rounded gradient's.
 jax.tree_util.register_dataclass(
-    Fp8Meta, data_fields=list(DATA_FIELDS), meta_fields=["recipe", "fmt"])
+    Fp8Meta, data_fields=[*DATA_FIELDS, "rng"], meta_fields=["recipe", "fmt"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +157,18 @@ def init_meta(recipe: Recipe, fmt: Fp8Format) -> Fp8Meta:
 def init_dot_meta(recipe: Recipe) -> DotMeta:
   """A fresh `DotMeta` for one FP8 matmul under `recipe`.
 
-  `x` and `kernel` use the recipe's forward format, `grad` its gradient format.
+  `x` and `kernel` use the recipe's forward format, `grad` its gradient format (and,
+  under a recipe that rounds gradients stochastically, the starting key of that
+  rounding, `fp8jax.core.rounding_keys.initial_key()`).
   """
   check_recipe(recipe)
+  grad = init_meta(recipe, recipe.gradient_format)
+  if recipe.stochastic_rounding:
+    grad = dataclasses.replace(grad, rng=rounding_keys.initial_key())
   return DotMeta(
       x=init_meta(recipe, recipe.forward_format),
       kernel=init_meta(recipe, recipe.forward_format),
-      grad=init_meta(recipe, recipe.gradient_format))
+      grad=grad)
 
 
 def init_attention_meta(recipe: Recipe) -> AttentionMeta:
@@ -210,6 +223,8 @@ def merge_stacked_metas(fp8_state, axis: int = 0):
   def merge(meta: Fp8Meta) -> Fp8Meta:
     merged = dataclasses.replace(meta, amax_history=jnp.max(meta.amax_history, axis=axis),
                                  amax=jnp.max(meta.amax, axis=axis))
+    if meta.rng is not None:  # one key for the shared meta: the first layer's
+      merged = dataclasses.replace(merged, rng=jnp.take(meta.rng, 0, axis=axis))
     return merged.with_scale(jnp.min(meta.scale, axis=axis))
   return map_metas(merge, fp8_state)
 
@@ -236,6 +251,13 @@ def check_dot_meta(meta: Any, argname: str = "meta") -> None:
           f"{argname}.{role} has format {role_meta.fmt} but recipe {recipe} casts the "
           f"{role} role to {want}; were the roles swapped? Make the DotMeta with "
           "fp8jax.init_dot_meta(recipe).")
+  if (meta.grad.rng is not None) != bool(recipe.stochastic_rounding):
+    raise ValueError(
+        f"{argname}.grad.rng is {'a key' if meta.grad.rng is not None else 'None'}, but "
+        f"recipe {recipe} rounds gradients "
+        f"{'stochastically' if recipe.stochastic_rounding else 'to nearest'}: the gradient "
+        "role keeps a rounding key exactly when they are rounded stochastically. Make the "
+        "DotMeta with fp8jax.init_dot_meta(recipe).")
 
 
 def check_attention_meta(meta: Any, argname: str = "meta") -> None:
@@ -318,6 +340,13 @@ def check_shapes(meta: Fp8Meta, argname: str, stacked: bool = False) -> None:
         f"{meta.recipe} keeps a history of length {history_len}: expected {want}. Re-create "
         "the meta with fp8jax.init_dot_meta(recipe) or convert it with "
         "fp8jax.resize_history.")
+  if meta.rng is not None:
+    key_shape = rows + rounding_keys.KEY_SHAPE
+    if jnp.shape(meta.rng) != key_shape or jnp.result_type(meta.rng) != jnp.uint32:
+      raise ValueError(
+          f"{argname}.rng has shape {jnp.shape(meta.rng)} and dtype "
+          f"{jnp.result_type(meta.rng)}; a rounding key is uint32 {key_shape} (the data of "
+          "a threefry key). Make the state with fp8jax.init_dot_meta(recipe).")
 
 
 def check_scale_inv(meta: Fp8Meta, argname: str) -> None:
@@ -387,12 +416,18 @@ def resize_history(fp8_state: Any, new_recipe: Recipe) -> Any:
           f"fp8_format={old.fp8_format!r} but new_recipe={new_recipe} has "
           f"fp8_format={new_recipe.fp8_format!r}. Its scales were made for the old formats; "
           "start from fresh state (fp8jax.init_dot_meta(new_recipe)).")
+    if new_recipe.stochastic_rounding and not old.stochastic_rounding:
+      raise ValueError(
+          f"resize_history cannot convert state of {old} to {new_recipe}, which rounds "
+          "gradients stochastically: its gradient roles need rounding keys the state does "
+          "not hold. Start from fresh state (fp8jax.init_dot_meta(new_recipe)).")
     history = meta.amax_history[..., :new_len]
     pad = new_len - history.shape[-1]
     if pad > 0:
       history = jnp.concatenate(
           [history, jnp.zeros(history.shape[:-1] + (pad,), history.dtype)], axis=-1)
-    return dataclasses.replace(meta, amax_history=history, recipe=new_recipe)
+    rng = meta.rng if new_recipe.stochastic_rounding else None
+    return dataclasses.replace(meta, amax_history=history, recipe=new_recipe, rng=rng)
 
   return map_metas(convert, fp8_state)
 

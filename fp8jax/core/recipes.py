@@ -21,7 +21,12 @@ GEMMs of `fp8jax.core.blocks` (the op is `fp8jax.ops.fine_grained_dot`):
   right one; the scales multiply the GEMM's float32 product (an epilogue).
 * `BlockScaling`: DeepSeek-V3 style, 1 x B tiles for activations and gradients,
   B x B blocks for weights.
-* `MXFP8Scaling`: OCP MX, 32-element blocks with power-of-two (E8M0) scales.
+* `MXFP8Scaling`: OCP MX, 32-element blocks with power-of-two (E8M0) scales,
+  rounded OCP's way (down) or NVIDIA's (up).
+* `NVFP4Scaling`: NVIDIA's NVFP4 training recipe: E2M1 values in 16-element
+  blocks with E4M3 scales and a float32 scale per tensor, 16 x 16 blocks for
+  weights, a random Hadamard transform on the weight-gradient GEMM's inputs and
+  stochastic rounding of output gradients (its key kept in the FP8 state).
 
 Every recipe is a `Recipe`: the ops ask it everything through the protocol
 that class documents and test no recipe's type, so a recipe written outside
@@ -37,14 +42,18 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from fp8jax.core import blocks
-from fp8jax.core.formats import E4M3, E5M2, Fp8Format, formats_for
+from fp8jax.core import blocks, native_gemm, nvfp4, rounding_keys
+from fp8jax.core.formats import E2M1, E4M3, E5M2, Fp8Format, formats_for
 from fp8jax.core.validation import check_int
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The three GEMMs of a matmul's training step: out = x @ k, dx = g @ k^T, dk = x^T @ g.
 GEMMS = ("fprop", "dgrad", "wgrad")
 BLOCK_GEMMS = ("emulated", "pallas_hopper")
+# MXFP8 and NVFP4: emulated everywhere, or jax.nn.scaled_matmul where the program is
+# compiled for a Blackwell GPU (fp8jax.core.native_gemm) and emulated elsewhere.
+MICROSCALED_GEMMS = ("emulated", "native")
+NVFP4_WEIGHT_BLOCKS = ("16x16", "1x16")
 # MX element formats: the same format for every role.
 MX_FORMAT_CHOICES = {"e4m3": (E4M3, E4M3), "e5m2": (E5M2, E5M2)}
 
@@ -101,7 +110,12 @@ class Recipe:
     per_operand: True for recipes that quantize each GEMM operand along that
       GEMM's contraction axis (per row, per block); they implement
       `quantize_operand` and `operand_gemm`, and may set
-      `kernel_blocks_serve_dgrad`.
+      `kernel_blocks_serve_dgrad`, `stochastic_rounding` and override
+      `element_format`, `target_gemm` and `check_op`.
+    stochastic_rounding: output gradients are rounded stochastically: each
+      matmul's gradient role then keeps a PRNG key in its meta (`Fp8Meta.rng`,
+      `fp8jax.core.rounding_keys`), and `quantize_operand` gets a key for each
+      gradient it quantizes.
     margin, power_of_two: `scale = fmt.max / amax / 2**margin`, rounded down to
       a power of two if `power_of_two`.
     high_precision: GEMMs among ("fprop", "dgrad", "wgrad") that run in the
@@ -124,6 +138,7 @@ class Recipe:
   scales_from_tensor = False
   per_operand = False
   kernel_blocks_serve_dgrad = False
+  stochastic_rounding = False
 
   @property
   def forward_format(self) -> Fp8Format:
@@ -146,15 +161,37 @@ class Recipe:
     """Whether the end-of-step kernel can close this recipe (its `window_amax` is the default)."""
     return type(self).window_amax is Recipe.window_amax
 
-  def quantize_operand(self, t, fmt: Fp8Format, axis: int, weight: bool):
+  def quantize_operand(self, t, fmt: Fp8Format, axis: int, weight: bool, key=None):
     """`t [..., R, C]` as a `fp8jax.core.blocks.BlockQuantized` along the contraction
-    `axis` (-1: C, -2: R); `weight` marks the kernel. For `per_operand` recipes."""
+    `axis` (-1: C, -2: R); `weight` marks the kernel. For `per_operand` recipes.
+
+    `axis=-2` with `weight=False` is an input of the weight-gradient GEMM (x or the
+    output gradient, contracted over the tokens). `key` (uint32 [2]) is passed only
+    for output gradients under `stochastic_rounding`: the randomness of this
+    operand's rounding (a recipe without that option need not take the argument)."""
     raise NotImplementedError(f"{type(self).__name__} scales whole tensors (per_operand=False).")
 
   def operand_gemm(self, a, b, out_dtype):
     """The GEMM of `quantize_operand` results `a [..., P, C]`, `b [..., C, Q]` in
     `out_dtype`. Default: dequantize both and multiply in float32."""
     return blocks.emulated_block_gemm(a, b, out_dtype)
+
+  def target_gemm(self, a, b, out_dtype, gpu_arch: str | None):
+    """`operand_gemm` as compiled for a GPU of architecture `gpu_arch` ("sm_90",
+    "sm_100"; None off GPUs): a recipe may lower to that target's own block-scaled
+    GEMM there. Default: `operand_gemm` on every target."""
+    del gpu_arch
+    return self.operand_gemm(a, b, out_dtype)
+
+  def element_format(self, fmt: Fp8Format) -> Fp8Format:
+    """The format of the values `quantize_operand` writes for a role of format `fmt`
+    (telemetry's saturation and underflow thresholds). Default: `fmt` itself."""
+    return fmt
+
+  def check_op(self, op: str) -> None:
+    """Raises ValueError when this recipe cannot quantize the op named `op`
+    (e.g. "fp8_ragged_dot"), naming the fix. Default: every op."""
+    del op
 
   def operand_scales(self, t, quantized, fmt: Fp8Format):
     """The multipliers `quantize_operand` applied per block of `t` (for telemetry):
@@ -336,21 +373,32 @@ class BlockScaling(_FineGrained):
 class MXFP8Scaling(_FineGrained):
   """OCP MX (MXFP8): 32-element blocks along each GEMM's contraction axis, E8M0 scales.
 
-  Per block, `shared_exp = clip(floor(log2(amax)) - emax, -127, 127)` with emax
-  8 for E4M3 and 15 for E5M2, and the elements are `saturate(x / 2**shared_exp)`
-  in the element format (`fp8jax.core.blocks.quantize_mx`). Every operand of
-  every GEMM, weights included, is quantized in 1 x 32 blocks along that GEMM's
-  contraction axis. Emulated (dequantize, float32 dot) on every platform.
+  Per block, the shared exponent is `clip(floor(log2(amax)) - emax, -127, 127)` with
+  emax 8 for E4M3 and 15 for E5M2 (OCP MX v1.0, `scale_rounding="floor"`), or
+  `clip(ceil(log2(amax / fmt.max)), -127, 127)` (NVIDIA's MXFP8 training recipe,
+  `scale_rounding="round_up"`), and the elements are `saturate(x / 2**shared_exp)` in
+  the element format (`fp8jax.core.blocks.quantize_mx`). Every operand of every GEMM,
+  weights included, is quantized in 1 x 32 blocks along that GEMM's contraction axis.
 
   Attributes:
     fp8_format: the element format of every role: "e4m3" (default) or "e5m2".
     high_precision: GEMMs among ("fprop", "dgrad", "wgrad") run in the input dtype.
+    scale_rounding: "floor" (OCP's rule: a block's largest elements land in
+      [2**emax, 2**(emax+1)) and those above fmt.max saturate) or "round_up"
+      (NVIDIA's: the smallest power-of-two scale that saturates nothing; where amax's
+      significand exceeds 1.75 the scale is twice OCP's, so its elements keep one bit
+      less). The two agree for every other block.
+    gemm: "emulated" (dequantize, float32 GEMM; every target) or "native"
+      (`jax.nn.scaled_matmul`, cuDNN's block-scaled GEMM, where the program is compiled
+      for a Blackwell GPU; emulated on every other target).
   """
 
   fp8_format: str = "e4m3"
   high_precision: tuple[str, ...] = ()
+  scale_rounding: str = "floor"
+  gemm: str = "emulated"
 
-  block_size = 32  # fixed by the MX specification
+  block_size = blocks.MX_BLOCK  # fixed by the MX specification
   power_of_two = True  # E8M0 scales are powers of two
 
   def __post_init__(self):
@@ -359,6 +407,8 @@ class MXFP8Scaling(_FineGrained):
           f"fp8_format={self.fp8_format!r} is not an MXFP8 element format; use one of "
           f"{sorted(MX_FORMAT_CHOICES)} (MX uses one element format for every role).")
     _set_high_precision(self)
+    blocks.check_scale_rounding(self.scale_rounding)
+    _check_microscaled_gemm(self.gemm)
 
   @property
   def forward_format(self) -> Fp8Format:
@@ -368,14 +418,124 @@ class MXFP8Scaling(_FineGrained):
   def gradient_format(self) -> Fp8Format:
     return MX_FORMAT_CHOICES[self.fp8_format][1]
 
-  def quantize_operand(self, t, fmt, axis, weight):
-    return blocks.quantize_mx(t, fmt, axis)
+  def quantize_operand(self, t, fmt, axis, weight, key=None):
+    return blocks.quantize_mx(t, fmt, axis, self.scale_rounding)
+
+  def target_gemm(self, a, b, out_dtype, gpu_arch):
+    if self.gemm == "native" and native_gemm.is_blackwell(gpu_arch):
+      return native_gemm.blackwell_gemm(a, b, out_dtype, jnp.float8_e8m0fnu,
+                                        "MXFP8Scaling(gemm='native')")
+    return self.operand_gemm(a, b, out_dtype)
 
   def operand_scales(self, t, quantized, fmt):
     return 1.0 / quantized.scale_inv  # powers of two: their reciprocals are exact
 
 
-RECIPE_CLASSES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling)
+@dataclasses.dataclass(frozen=True)
+class NVFP4Scaling(_FineGrained):
+  """NVIDIA's NVFP4 training recipe: 4-bit E2M1 values, E4M3 block scales, a float32 tensor scale.
+
+  Every operand of every GEMM is quantized by `fp8jax.core.nvfp4.quantize_nvfp4`:
+  E2M1 values in 16-element blocks along that GEMM's contraction axis, one E4M3
+  scale per block and one float32 scale per operand from its own amax
+  (`448 * 6 / amax`). By default, as NVIDIA trained with it:
+
+  * weights in 16 x 16 blocks, so the kernel and its transpose quantize alike and
+    one quantization serves fprop and dgrad;
+  * the weight-gradient GEMM's inputs (x and the output gradient, contracted over
+    the tokens) multiplied by the random Hadamard transform, 16 x 16 with one fixed
+    sign vector (`fp8jax.core.nvfp4.hadamard_rows`): the product is unchanged, the
+    blocks' outliers are spread before they are rounded to 4 bits;
+  * output gradients rounded stochastically (unbiased); x and weights to nearest
+    even. The randomness comes from a key in each matmul's gradient-role state
+    (`Fp8Meta.rng`, advanced by `fp8jax.end_step`): steps are reproducible and pure.
+
+  NVIDIA also kept the last layers in bf16: with `fp8jax.flax` rules, or by giving
+  those layers no recipe. Everything is emulated exactly (quantize, dequantize,
+  multiply in float32) unless `gemm="native"` and the target is a Blackwell GPU.
+  The meta's roles are E4M3 (the block scales' format); attention, which takes one
+  scale per tensor, runs FP8 E4M3 scaled from each tensor's own amax, as under the
+  other per-block recipes. Grouped (expert) matmuls are refused: the transform
+  would mix the tokens of different experts.
+
+  Attributes:
+    weight_blocks: "16x16" (the default) or "1x16" (weights in 16-element blocks along
+      each GEMM's contraction, quantized apart for fprop and dgrad).
+    hadamard: apply the random Hadamard transform to the weight-gradient GEMM's inputs.
+    stochastic_rounding: round output gradients stochastically (else to nearest even).
+    high_precision: GEMMs among ("fprop", "dgrad", "wgrad") run in the input dtype.
+    gemm: "emulated" (every target) or "native" (`jax.nn.scaled_matmul`, cuDNN's
+      NVFP4 GEMM, where the program is compiled for a Blackwell GPU; emulated elsewhere).
+  """
+
+  weight_blocks: str = "16x16"
+  hadamard: bool = True
+  stochastic_rounding: bool = True
+  high_precision: tuple[str, ...] = ()
+  gemm: str = "emulated"
+
+  block_size = nvfp4.BLOCK  # fixed by the format: one E4M3 scale per 16 values
+  fp8_format = "e4m3"  # the roles' format: the block scales'
+
+  def __post_init__(self):
+    if self.weight_blocks not in NVFP4_WEIGHT_BLOCKS:
+      raise ValueError(
+          f"weight_blocks={self.weight_blocks!r} is not a block NVFP4 can scale: the format "
+          "has one E4M3 scale per 16 values. Use '16x16' (a weight and its transpose "
+          "quantize alike, NVIDIA's choice) or '1x16'.")
+    _check_bool("hadamard", self.hadamard)
+    _check_bool("stochastic_rounding", self.stochastic_rounding)
+    _set_high_precision(self)
+    _check_microscaled_gemm(self.gemm)
+
+  @property
+  def kernel_blocks_serve_dgrad(self) -> bool:
+    return self.weight_blocks == "16x16"  # 16 x 16 blocks of k are those of k^T
+
+  def element_format(self, fmt):
+    return E2M1
+
+  def quantize_operand(self, t, fmt, axis, weight, key=None):
+    size = nvfp4.BLOCK
+    if weight and self.weight_blocks == "16x16":
+      block = (size, size)
+    else:
+      block = (1, size) if axis == -1 else (size, 1)
+    if self.hadamard and axis == -2 and not weight:  # the weight-gradient GEMM's inputs
+      t = nvfp4.hadamard_rows(t)
+    uniform = (rounding_keys.uniform(key, t.shape)
+               if key is not None and self.stochastic_rounding else None)
+    return nvfp4.quantize_nvfp4(t, block, uniform)
+
+  def operand_scales(self, t, quantized, fmt):
+    return nvfp4.multipliers(quantized.block_scale, quantized.tensor_scale)
+
+  def target_gemm(self, a, b, out_dtype, gpu_arch):
+    if self.gemm == "native" and native_gemm.is_blackwell(gpu_arch):
+      return native_gemm.blackwell_gemm(a, b, out_dtype, jnp.float8_e4m3fn,
+                                        "NVFP4Scaling(gemm='native')")
+    return self.operand_gemm(a, b, out_dtype)
+
+  def check_op(self, op):
+    if op == "fp8_ragged_dot":
+      raise ValueError(
+          "NVFP4Scaling cannot quantize fp8_ragged_dot (the experts of a mixture-of-experts "
+          "layer): its weight-gradient GEMM sums each expert's tokens apart, and the "
+          "Hadamard transform and the 16-token blocks would mix the tokens of different "
+          "experts. Give the expert layers another recipe (MXFP8Scaling, BlockScaling) or "
+          "none (bf16).")
+
+
+def _check_microscaled_gemm(gemm) -> None:
+  if gemm not in MICROSCALED_GEMMS:
+    raise ValueError(
+        f"gemm={gemm!r} is not supported; use 'emulated' (every target) or 'native' "
+        "(jax.nn.scaled_matmul where the program is compiled for a Blackwell GPU, the "
+        "emulation elsewhere).")
+
+
+RECIPE_CLASSES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXFP8Scaling,
+                  NVFP4Scaling)
 
 
 def is_fine_grained(recipe) -> bool:

@@ -1,4 +1,5 @@
-"""FP8 matmul with per-row or per-block scales: RowwiseScaling, BlockScaling, MXFP8Scaling.
+"""FP8 matmul with per-row or per-block scales: RowwiseScaling, BlockScaling, MXFP8Scaling,
+NVFP4Scaling (and any recipe with `Recipe.per_operand`).
 
 A dot_general is folded into `x [..., M, K] @ kernel [..., K, N]` (batch dims
 leading, free reshapes and transposes outside the custom VJP). Its three GEMMs
@@ -15,6 +16,9 @@ Operand blocks per recipe, for a GEMM `A [P, C] @ B [C, Q]`:
                                                     B x B blocks (one quantization
                                                     serves fprop and dgrad)
     MXFP8Scaling     A: (1, 32) E8M0 blocks         B: (32, 1) E8M0 blocks
+    NVFP4Scaling     A: (1, 16) E2M1 blocks         B: (16, 1); the kernel in 16 x 16
+                     with E4M3 scales, and a        blocks (serving fprop and dgrad);
+                     float32 scale per operand      wgrad's operands Hadamard-transformed
 
 GEMMs: each is the recipe's (`Recipe.operand_gemm`, from `fp8jax.core.blocks`):
 
@@ -25,8 +29,17 @@ GEMMs: each is the recipe's (`Recipe.operand_gemm`, from `fp8jax.core.blocks`):
   (whose right operand is the kernel in 128 x 128 blocks) run on the block-scaled
   Mosaic GPU kernel; wgrad, whose operands are both tiled along M, stays emulated.
 
+The GEMMs are `Recipe.target_gemm`, told the compile target's GPU architecture
+(`fp8jax.mesh.target`): MXFP8Scaling and NVFP4Scaling with `gemm="native"` run
+`jax.nn.scaled_matmul` (cuDNN) on a Blackwell GPU and the emulation elsewhere.
+
 GEMMs named in the recipe's `high_precision` run as `lax.dot_general` in the
 input dtype on the unquantized operands.
+
+Stochastic rounding (`Recipe.stochastic_rounding`): the output gradient's two
+quantizations (for dgrad and for wgrad) each get a key from the gradient role's
+`rng` (`fp8jax.core.rounding_keys.gemm_key`); the state's key itself advances when
+the step closes.
 
 State: every role's amax (of the whole tensor) is recorded in the meta as in
 `fp8jax.ops.dot`: x and kernel in the returned meta, the output gradient in the
@@ -47,8 +60,10 @@ from fp8jax.core.blocks import batched_dims
 from fp8jax.core.meta import DotMeta, amaxes_unbatched_like, record_amax
 from fp8jax.core.quantize import amax
 from fp8jax.core.recipes import GEMMS
+from fp8jax.core.rounding_keys import gemm_key
 from fp8jax.mesh.axes import describe_axes, manual_axes, types_recorded, varying_axes
 from fp8jax.mesh.explicit import is_explicitly_sharded
+from fp8jax.mesh.target import compile_target
 from fp8jax.ops import saved_activations
 
 
@@ -92,7 +107,8 @@ def fine_grained_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
       *batch_shape, math.prod(m_shape), k_size)
   k3 = jnp.transpose(kernel, (*k_batch, *k_contract, *k_free)).reshape(
       *batch_shape, k_size, math.prod(n_shape))
-  out, new_meta = _fine_grained_matmul(x3, k3, meta, jnp.dtype(kernel.dtype))
+  out, new_meta = _fine_grained_matmul(x3, k3, meta, jnp.dtype(kernel.dtype),
+                                       compile_target().gpu_arch)
   return out.reshape(*batch_shape, *m_shape, *n_shape), new_meta
 
 
@@ -105,13 +121,13 @@ def _high_precision_dot(a: jax.Array, b: jax.Array) -> jax.Array:
 # ----- The custom VJP ----------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fine_grained_matmul(x, kernel, meta, kernel_dtype):
-  out, new_meta, _ = _forward(x, kernel, meta)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fine_grained_matmul(x, kernel, meta, kernel_dtype, gpu_arch):
+  out, new_meta, _ = _forward(x, kernel, meta, gpu_arch)
   return out, new_meta
 
 
-def _forward(x, kernel, meta):
+def _forward(x, kernel, meta, gpu_arch):
   recipe = meta.recipe
   high = recipe.high_precision
   new_meta = dataclasses.replace(meta, x=record_amax(meta.x, amax(x)),
@@ -123,7 +139,7 @@ def _forward(x, kernel, meta):
     else:
       x_fprop = recipe.quantize_operand(x, meta.x.fmt, axis=-1, weight=False)
       k_fprop = recipe.quantize_operand(kernel, meta.kernel.fmt, axis=-2, weight=True)
-      out = recipe.operand_gemm(x_fprop, k_fprop, x.dtype)
+      out = recipe.target_gemm(x_fprop, k_fprop, x.dtype, gpu_arch)
   # What the backward GEMMs read of x and the kernel, quantized here (FP8 residuals).
   if "dgrad" in high:
     k_dgrad = kernel
@@ -141,33 +157,43 @@ def _forward(x, kernel, meta):
   return out, amaxes_unbatched_like(meta, new_meta), (x_wgrad, k_dgrad, meta.grad)
 
 
-def _fine_grained_fwd(x, kernel, meta, kernel_dtype):
-  out, new_meta, residuals = _forward(x, kernel, meta)
+def _fine_grained_fwd(x, kernel, meta, kernel_dtype, gpu_arch):
+  out, new_meta, residuals = _forward(x, kernel, meta, gpu_arch)
   return (out, new_meta), residuals
 
 
-def _fine_grained_bwd(kernel_dtype, residuals, cotangents):
+def _fine_grained_bwd(kernel_dtype, gpu_arch, residuals, cotangents):
   x_wgrad, k_dgrad, grad_meta = residuals
   g, meta_cotangent = cotangents
-  recipe, high, fmt = grad_meta.recipe, grad_meta.recipe.high_precision, grad_meta.fmt
+  recipe, high = grad_meta.recipe, grad_meta.recipe.high_precision
+  g_amax = amax(g)
   with jax.named_scope("fp8_dgrad"):
     if "dgrad" in high:
       dx = _high_precision_dot(g, jnp.swapaxes(k_dgrad, -1, -2)).astype(g.dtype)
     else:
-      g_dgrad = recipe.quantize_operand(g, fmt, axis=-1, weight=False)
-      dx = recipe.operand_gemm(g_dgrad, k_dgrad.transpose(), g.dtype)
+      g_dgrad = _quantize_gradient(g, grad_meta, g_amax, "dgrad", axis=-1)
+      dx = recipe.target_gemm(g_dgrad, k_dgrad.transpose(), g.dtype, gpu_arch)
   with jax.named_scope("fp8_wgrad"):
     if "wgrad" in high:
       dk = _high_precision_dot(jnp.swapaxes(x_wgrad, -1, -2), g).astype(kernel_dtype)
     else:
-      g_wgrad = recipe.quantize_operand(g, fmt, axis=-2, weight=False)
-      dk = recipe.operand_gemm(x_wgrad.transpose(), g_wgrad, kernel_dtype)
-  grad_cotangent = record_amax(meta_cotangent.grad, amax(g))
+      g_wgrad = _quantize_gradient(g, grad_meta, g_amax, "wgrad", axis=-2)
+      dk = recipe.target_gemm(x_wgrad.transpose(), g_wgrad, kernel_dtype, gpu_arch)
+  grad_cotangent = record_amax(meta_cotangent.grad, g_amax)
   return dx, dk, amaxes_unbatched_like(
       meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad_cotangent))
 
 
 _fine_grained_matmul.defvjp(_fine_grained_fwd, _fine_grained_bwd)
+
+
+def _quantize_gradient(g, grad_meta, g_amax, gemm, axis):
+  """The output gradient quantized for one GEMM; with a key when it is rounded stochastically."""
+  recipe = grad_meta.recipe
+  if grad_meta.rng is None:  # a recipe of your own may not take a key
+    return recipe.quantize_operand(g, grad_meta.fmt, axis=axis, weight=False)
+  return recipe.quantize_operand(g, grad_meta.fmt, axis=axis, weight=False,
+                                 key=gemm_key(grad_meta.rng, gemm, g_amax))
 
 
 # ----- Per-shard scales inside shard_map ---------------------------------------------------

@@ -74,6 +74,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   check_operands(x, w, group_sizes, "fp8_ragged_dot")
   refuse_split_state(meta, "meta")
   check_ragged_dot_meta(meta, w.shape[0])
+  meta.recipe.check_op("fp8_ragged_dot")
   check_threaded(meta, "fp8_ragged_dot", init="fp8jax.init_ragged_dot_meta")
   # Inside shard_map: the operands and the state alike device-varying (fp8jax.mesh.axes).
   group_sizes = group_sizes.astype(jnp.int32)

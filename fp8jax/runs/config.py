@@ -2,7 +2,8 @@
 
 A run trains the byte-level GPT of `fp8jax.models.gpt` on an embedded corpus
 (`fp8jax.data`) with one recipe: "bf16" (no FP8) or an FP8 recipe of `RECIPES`
-("delayed", "current", "rowwise", "block", "mxfp8"), or a recipe of your own named
+("delayed", "current", "rowwise", "block", "mxfp8", "mxfp8_round_up", "nvfp4"), or a
+recipe of your own named
 "module:Class" (a frozen-dataclass `fp8jax.Recipe` whose defaults make a recipe),
 whose fields `recipe_options` may change (e.g. `{"amax_history_len": 1}`).
 Every setting lives in `RunConfig`, which is saved with each checkpoint and in
@@ -23,7 +24,9 @@ RECIPES = {
     "current": fp8jax.CurrentScaling(),
     "rowwise": fp8jax.RowwiseScaling(),
     "block": fp8jax.BlockScaling(),
-    "mxfp8": fp8jax.MXFP8Scaling(),
+    "mxfp8": fp8jax.MXFP8Scaling(),  # OCP's scale rule (rounded down)
+    "mxfp8_round_up": fp8jax.MXFP8Scaling(scale_rounding="round_up"),  # NVIDIA's
+    "nvfp4": fp8jax.NVFP4Scaling(),
 }
 
 

@@ -27,6 +27,10 @@ KNOBS = {
     "power_of_two": "power_of_two",
     "high_precision": "high_precision",
     "block_size": "block_size",
+    "scale_rounding": "scale_rounding",
+    "weight_blocks": "weight_blocks",
+    "hadamard": "hadamard",
+    "stochastic_rounding": "stochastic_rounding",
 }
 
 

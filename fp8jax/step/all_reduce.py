@@ -88,18 +88,28 @@ def all_reduce_amax(fp8_state: Any, axis_name: AxisName = None) -> Any:
   leaves, unflatten = _fields_first(fp8_state)
   if not axes or not leaves:
     return fp8_state
-  shapes = [jnp.shape(leaf) for leaf in leaves]
+  # The float32 fields travel in one pmax. A stochastic-rounding key (uint32, the same on
+  # every device) takes a pmax of its own, and its cotangent (float0) none.
+  floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+  keys = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.integer)]
+  shapes = [jnp.shape(leaves[i]) for i in floats]
   try:
-    flat = jnp.concatenate([jnp.ravel(vary(leaf, frozenset(axes))) for leaf in leaves])
+    flat = jnp.concatenate([jnp.ravel(vary(leaves[i], frozenset(axes))) for i in floats])
     flat = jax.lax.pmax(flat, axes)
+    reduced_keys = [jax.lax.pmax(vary(leaves[i], frozenset(axes)), axes) for i in keys]
   except NameError as error:
     raise ValueError(
         f"axis_name={axis_name!r}: {error} axis_name is for code inside jax.shard_map "
         "(or pmap) over a mesh with that axis. Under plain jax.jit with sharded arrays "
         "leave axis_name=None: the amax is already that of the global array.") from None
-  sizes = [int(jnp.size(leaf)) for leaf in leaves]
+  sizes = [int(jnp.size(leaves[i])) for i in floats]
   offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-  return unflatten([flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)])
+  reduced = list(leaves)
+  for i, o, n, s in zip(floats, offsets, sizes, shapes):
+    reduced[i] = flat[o:o + n].reshape(s)
+  for i, key in zip(keys, reduced_keys):
+    reduced[i] = key
+  return unflatten(reduced)
 
 
 def _fields_first(fp8_state):

@@ -15,6 +15,8 @@ Per role and per step t (DESIGN numerics contract):
    or the result is not a finite positive number, the old scale is kept.
    `scale_inv = 1 / scale` and the running amax returns to 0. Under
    `power_of_two=True` the new scale is then rounded down to a power of two.
+   A role that keeps a stochastic-rounding key (`Fp8Meta.rng`) gets the next
+   step's key (`fp8jax.core.rounding_keys.next_step_key`).
 
 On a GPU `end_step` runs as one kernel per recipe (per 32 roles) that reads
 and writes every role's arrays directly (`fp8jax.ops.fused_kernels.close_steps`); XLA on
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.core.meta import check_fp8_state, check_shapes, is_meta, map_metas
+from fp8jax.core.rounding_keys import next_step_key
 from fp8jax.core.quantize import amax_max, round_down_to_power_of_two, scale_from_window
 from fp8jax.ops import fused_kernels
 from fp8jax.ops.guards import refuse_split_state
@@ -95,6 +98,8 @@ def _end_step(fp8_state, cotangent_state):
   for recipe, indices in by_recipe.items():
     group = _close_together([metas[i] for i in indices], [others[i] for i in indices], recipe)
     for index, meta in zip(indices, group):
+      if meta.rng is not None:
+        meta = dataclasses.replace(meta, rng=next_step_key(meta.rng))
       closed[index] = meta
   return jax.tree.unflatten(treedef, closed)
 

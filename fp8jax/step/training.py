@@ -259,9 +259,12 @@ def _differentiate(loss_fn, has_aux, params, state, args, reuse=None):
     loss = value[0] if has_aux else value
     return loss, (value, new_state)
 
+  # A stochastic-rounding key (uint32, `Fp8Meta.rng`) in the state needs allow_int; it
+  # gets a float0 cotangent, which closing the step ignores.
+  with_keys = any(meta.rng is not None for meta in jax.tree.leaves(state, is_leaf=is_meta))
   with differentiating_fp8_state():  # the state's cotangent is the step's record here
     (_, (value, forward_state)), (grads, state_cotangent) = jax.value_and_grad(
-        split_loss, argnums=(0, 1), has_aux=True)(params, state)
+        split_loss, argnums=(0, 1), has_aux=True, allow_int=with_keys)(params, state)
   return value, grads, (forward_state, state_cotangent)
 
 
