@@ -226,6 +226,13 @@ def test_blackwell_recipe_figures_are_the_recorded_three_seeds():
   guide = (GUIDES / "recipes.md").read_text()
   seeds = sorted(record["seeds"], key=int)
   assert seeds == ["0", "1", "2"] and record["config"]["steps"] == 250
+  from fp8jax.runs import machine
+  walls = record["wall_s"].values()
+  assert (f"a {machine.summary(record['machine'])}, {min(walls)}-{max(walls)} s per seed"
+          in " ".join(guide.split()))
+  for recipe in ("delayed", "mxfp8_round_up"):  # "differ from bf16's by less than that spread"
+    assert record[f"{recipe}_within_bf16_seed_spread"]
+  assert not record["mxfp8_within_bf16_seed_spread"]
   bf16 = [next(r["final_loss"] for r in record["seeds"][s] if r["recipe"] == "bf16")
           for s in seeds]
   assert f"spans {max(bf16) - min(bf16):.4f}" in " ".join(guide.split())
