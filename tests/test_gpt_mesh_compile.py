@@ -1,7 +1,7 @@
 """The demo GPT's FP8 train step on a data x model mesh of 8 H100s: what each GPU runs.
 
 Compiled without a GPU (`fp8jax.deviceless.h100_mesh(data=4, model=2)`) at the
-`125m` size, 8 sequences of 1024 tokens per data shard, with the Megatron-style
+`125m` width (two of its blocks), 8 sequences of 1024 tokens per data shard, with the Megatron-style
 layout of `fp8jax.models.gpt_sharding` (qkv/up column-parallel, out/down
 row-parallel, embedding and FP8 state replicated). Compared with the bf16 twin
 under the same sharding:
@@ -49,7 +49,9 @@ def compiled():
   from fp8jax.runs.steps import train_step_for
 
   mesh = deviceless.h100_mesh(data=DATA, model=MODEL)
-  config = gpt.config_for("125m", seq_len=SEQ)
+  # Two of the 125m's blocks: every block compiles to the same kernels (the layers are
+  # unrolled), and two show that the state and GEMMs of each are its own.
+  config = gpt.config_for("125m", seq_len=SEQ, n_layers=2)
   programs = {}
   for label, recipe in (("fp8", fp8jax.DelayedScaling()), ("bf16", None)):
     model = gpt.Gpt(config, recipe=recipe)
