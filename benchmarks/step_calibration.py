@@ -13,7 +13,10 @@ keeps what a measured step compiled to, and fits the constants to it:
 loop or not) with their launch counts: what the roofline needs and nothing of the HLO,
 small enough to commit beside the step's measured time (`python -m
 benchmarks.step_calibration --size 350m --out FILE` writes them for the code checked out,
-compiled for an H100 without a GPU: the same program a Hopper GPU compiles).
+compiled for an H100 without a GPU: the same program a Hopper GPU compiles). Classes and
+measurement must come from the same code: the committed ones are of the rolled layer loop
+the H200 ran (its file's note names the commits), so a fit to a new measurement compiles the
+code that was measured.
 
 `fit_h200` derives the H200's constants the way tests/test_cost_calibration.py derives
 the H100's: the GEMM rates from `fp8_dense` at 8192 (bf16: three GEMMs; FP8: three
@@ -34,7 +37,8 @@ from fp8jax.lowering.cost import CostConstants, CostReport
 
 # The dense benchmark's size whose wall clock gives the GEMM rates (as for the H100).
 DENSE_N = 8192
-# Launches of the dense FP8 step besides its 3 GEMMs and 3 casts (tests/test_cost_calibration.py).
+# All launches of the dense FP8 step: its 3 GEMMs, 3 casts and 4 small kernels
+# (tests/test_cost_calibration.py counts them).
 DENSE_FP8_LAUNCHES = 3 + 3 + 4
 
 
@@ -104,6 +108,10 @@ def fit_h200(dense: dict, gpt: dict, programs: dict, *, backend: str = "pallas_h
     classes = programs["bf16"]
     without = predicted_seconds(classes, dataclasses.replace(trial, loop_kernel_overhead_s=1e-30))
     loop_launches = sum(c["launches"] for c in classes if c["in_loop"])
+    if not loop_launches:
+      raise ValueError("fit_h200: programs['bf16'] has no kernel inside a loop, so the loop's "
+                       "launch cost is not determined; give the kernel classes of the step "
+                       "the GPU measured (with its layer loop rolled, as gpt.json's).")
     loop = (measured["bf16"] - without) / loop_launches
     # None: at this bandwidth the bf16 step leaves no time for its launches (too low).
     return dataclasses.replace(trial, loop_kernel_overhead_s=loop) if loop > 0 else None
@@ -118,7 +126,9 @@ def fit_h200(dense: dict, gpt: dict, programs: dict, *, backend: str = "pallas_h
   # of: its error rises with the bandwidth. Bisect for the root.
   low, high = 1.5e12, 8e12
   if fp8_error(low) > 0 or fp8_error(high) < 0:
-    raise ValueError("fit_h200: no bandwidth in [1.5, 8] TB/s predicts both steps")
+    raise ValueError("fit_h200: no bandwidth in [1.5, 8] TB/s predicts both steps; check "
+                     "that `programs` are the kernel classes of the steps `gpt` measured "
+                     "(same size, batch and code) and that `dense` is the same GPU's.")
   for _ in range(60):
     middle = (low + high) / 2
     low, high = (middle, high) if fp8_error(middle) < 0 else (low, middle)

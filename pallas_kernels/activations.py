@@ -34,6 +34,9 @@ def gelu_tanh(h: jax.Array) -> jax.Array:
 
 def gelu_tanh_derivative(h: jax.Array) -> jax.Array:
   """gelu'(h), tanh approximation, in float32 (h float32)."""
+  # Past |h| = 10 tanh is exactly +-1 in float32, so the second term is 0 there; the
+  # clip keeps h*h finite for huge h, where 0 * inf would make the derivative NaN.
+  h = jnp.clip(h, -10.0, 10.0)
   t = jnp.tanh(GELU_C * (h + GELU_A * h * h * h))
   return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * h * h)
 

@@ -5,7 +5,7 @@ definition (bit for bit) and against float64 numpy; `fp8_mlp` against the compos
 replaces, `fp8_dense(gelu(fp8_dense(x, w_in)), w_out)`, which tests/test_dense_numerics.py
 holds to float64: in float32 the two are the same arithmetic (the composition's GELU is
 float32 too, so nothing is rounded to bf16 between them), so they must agree bit for bit,
-forward, backward and state. The test marked `hopper` compiles for an H100 without a GPU.
+forward and backward, and in the state to the last bit of an amax. The test marked `hopper` compiles for an H100 without a GPU.
 """
 from __future__ import annotations
 
@@ -191,6 +191,7 @@ def _assert_state_close(state, want):
   """The same FP8 state, but for the last bit of an amax (and a scale made from it): the
   kernel's float32 GELU and the jnp path's XLA fusion may contract multiply-adds
   differently, which can round the largest value of a tensor one ulp apart."""
+  assert jax.tree.structure(state) == jax.tree.structure(want)
   for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2.0**-22, atol=0)
 
@@ -209,6 +210,31 @@ def test_bad_arguments_are_refused_by_name(kwargs, message):
   activation = args.pop("activation", "gelu")
   with pytest.raises(ValueError, match=message):
     fp8_mlp(**args, activation=activation)
+
+
+def test_gelu_derivative_stays_finite_where_h_squared_overflows():
+  """Past |h| ~ 1.8e19 (a bf16 value) h*h is inf in float32; gelu' is 1 above, 0 below."""
+  from pallas_kernels.activations import gelu_tanh_derivative
+  h = jnp.array([1e20, -1e20, 3e38, -3e38, 12.0, -12.0], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(gelu_tanh_derivative(h)), [1, 0, 1, 0, 1, 0])
+  # Where nothing overflows it is the float64 formula's, within the float32 error the
+  # prologue test above allows for g = 1: 1 - tanh(u)**2 cancels, so a few ulps of tanh
+  # (XLA's float32 tanh is off by up to ~4 ulps of 2**-24) become
+  # 2 (1 + |h| (1 + 3 a h**2)) ulps of 2**-23 in the derivative.
+  h = _rng("derivative").normal(scale=4.0, size=4096).astype(np.float32)
+  h64 = h.astype(np.float64)
+  bound = 2 * (1 + np.abs(h64) * (1 + 3 * 0.044715 * h64**2)) * 2.0**-23
+  error = np.abs(np.asarray(gelu_tanh_derivative(jnp.asarray(h)), np.float64)
+                 - _gelu64_derivative(h64))
+  assert np.all(error <= bound)
+
+
+def test_a_prologue_without_delayed_scaling_is_refused():
+  from fp8jax.ops import dot
+  x, w_in, _, _ = _problem(jnp.float32)
+  meta = fp8jax.init_dot_meta(fp8jax.CurrentScaling())
+  with pytest.raises(ValueError, match="x_prologue needs delayed scaling"):
+    dot.matrix_fwd(x, w_in, meta, None, None, x_prologue=GELU)
 
 
 class _DensePair(nn.Module):

@@ -1,6 +1,6 @@
 """`fp8jax cost`'s H200 constants against whole train steps measured on an H200.
 
-benchmarks/results/h200_gpu_check/ holds, from one GPU session (jax 0.11.2):
+benchmarks/results/h200_gpu_check/ holds, measured in one run on an H200 (jax 0.11.2):
 
 * dense.json: `fp8_dense` forward+backward at M = K = N = 2048, 4096, 8192, wall clock;
 * gpt.json: the demo GPT's train step (350m, batch 8 x 1024, AdamW) in bf16 and FP8 with
@@ -11,7 +11,7 @@ benchmarks/results/h200_gpu_check/ holds, from one GPU session (jax 0.11.2):
 
 `benchmarks.step_calibration.fit_h200` derives the constants from them (see there); here
 `fp8jax.lowering.cost.H200` is held to what it gives, and its predictions to the
-measurements: the issue's bar is 10% per step and 5% in the FP8 / bf16 ratio.
+measurements: within 10% per step and 5% in FP8's speedup over bf16.
 """
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def _predicted(recipe: str, constants: CostConstants = H200) -> float:
 def test_h200_constants_are_the_ones_its_measurements_give():
   fitted = step_calibration.fit_h200(DENSE, GPT, PROGRAMS, backend=BACKEND)
   # The committed constants are the fit rounded to 2-3 digits: within 2% of it.
+  # (The top level's launch cost is not fitted: the H100's, given to the fit.)
+  assert fitted.kernel_overhead_s == H200.kernel_overhead_s == CostConstants().kernel_overhead_s
   for field in ("fp8_gemm_flops_per_s", "bf16_gemm_flops_per_s", "hbm_bytes_per_s",
-                "kernel_overhead_s", "loop_kernel_overhead_s"):
+                "loop_kernel_overhead_s"):
     assert getattr(H200, field) == pytest.approx(getattr(fitted, field), rel=0.02), field
   # Sanity of what the fit found: the bandwidth below the H200's datasheet 4.8 TB/s (an
   # H100 reaches 81% of its own), a launch in the loop dearer than one at the top level.
@@ -58,8 +60,8 @@ def test_each_measured_whole_step_is_predicted_within_10_percent(recipe):
   assert _predicted(recipe) == pytest.approx(_measured(recipe), rel=0.10)
 
 
-def test_the_measured_fp8_over_bf16_ratio_is_predicted_within_5_percent():
-  measured = _measured("bf16") / _measured("delayed")   # 0.87: FP8 slower
+def test_the_measured_fp8_speedup_is_predicted_within_5_percent():
+  measured = _measured("bf16") / _measured("delayed")   # 0.87x: FP8 slower there
   assert _predicted("bf16") / _predicted("delayed") == pytest.approx(measured, rel=0.05)
 
 

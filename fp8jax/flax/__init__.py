@@ -11,6 +11,7 @@ choice; `CostModelFilter` for other tokens or constants) or your own predicate o
 `LayerInfo`; `Fp8Report`: what runs in FP8 and why; `nnx_value_and_grad`:
 an nnx train step's FP8 `value_and_grad` that carries dropout rngs and batch statistics;
 `nnx_calibrate`: `fp8jax.calibrate` for an nnx model, before its first step.
+`fp8jax.flax.linen_mlp.Fp8Mlp`: a transformer's MLP with the GELU done by its FP8 casts.
 """
 from fp8jax.flax.train_state import TrainState
 from fp8jax.flax.fp8_ops_state import from_flax_fp8_ops, to_flax_fp8_ops

@@ -4,8 +4,9 @@ A Flax layer promotes its kernel to the computation dtype before the dot
 (`dtype=jnp.bfloat16` rounds a float32 master weight to bf16). An FP8 layer quantizes
 the kernel anyway, so it takes the stored weight as it is: on a GPU one pass over the
 float32 master writes both FP8 copies (no bf16 copy is written and read back by a kernel
-of its own, and the weight is rounded once, not twice), and the weight's gradient comes
-out of its GEMM in the parameter's dtype instead of being converted to it.
+of its own, and the weight is rounded once, not twice). The weight's gradient comes out
+of its GEMM in the activations' dtype, as a bf16 layer's does, and the optimizer's read
+converts it to the parameter's (`fp8jax.ops.dot.wgrad_dtype`).
 """
 from __future__ import annotations
 

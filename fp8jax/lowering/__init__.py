@@ -41,7 +41,8 @@ The cost model reads the same optimized HLO and predicts the program's time on
 an H100 kernel by kernel: a roofline `max(GEMM FLOPs / rate, bytes / HBM
 bandwidth)` plus a fixed cost per kernel launch, summed over the kernels (loop
 bodies times their trip count). The machine constants are `CostConstants`
-(measured H100 SXM defaults; override them for another GPU):
+(measured H100 SXM defaults; `H200` the H200's, fitted to whole train steps;
+`CHIP_CONSTANTS` by chip name; override them for another GPU):
 
     fp8 = lowering.cost(fp8_step, *fp8_args)          # a CostReport; print(fp8) for its table
     bf16 = lowering.cost(bf16_step, *bf16_args)
@@ -52,8 +53,8 @@ bodies times their trip count). The machine constants are `CostConstants`
 each kernel's minimum traffic and ignores overlap, caches and tile effects.
 """
 from fp8jax import platform_guard as _platform_guard  # noqa: F401  (before any backend use)
-from fp8jax.lowering.cost import (CostComparison, CostConstants, CostReport, KernelCost, compare,
-                                  cost, cost_hlo)
+from fp8jax.lowering.cost import (CHIP_CONSTANTS, H200, CostComparison, CostConstants,
+                                  CostReport, KernelCost, compare, cost, cost_hlo)
 from fp8jax.lowering.example import example_train_step
 from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS, inspect, inspect_hlo
 from fp8jax.lowering.report import (Convert, ExpertPath, Gemm, GemmKind, LoweringReport,
@@ -63,4 +64,5 @@ __all__ = [
     "inspect", "inspect_hlo", "CUBLAS_ONLY_OPTIONS", "example_train_step",
     "LoweringReport", "Gemm", "GemmKind", "ExpertPath", "Operand", "Transpose", "Convert",
     "cost", "cost_hlo", "compare", "CostConstants", "CostReport", "CostComparison", "KernelCost",
+    "H200", "CHIP_CONSTANTS",
 ]

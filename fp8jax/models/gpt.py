@@ -28,10 +28,12 @@ kernel. Parameters are float32; activations, the residual stream included, are
 bfloat16.
 
 FP8 (`recipe` given): the qkv and attention-output projections are
-`fp8jax.flax.linen.Fp8DenseGeneral`, the MLP's two are `Fp8Dense`, the tied
-output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
-`DotMeta`, and attention is `fp8jax.fp8_attention` with an `AttentionMeta`
-(`GptConfig.fp8_attention=False` keeps attention in bf16). With `recipe=None`
+`fp8jax.flax.linen.Fp8DenseGeneral`, the MLP is one `fp8jax.flax.linen_mlp.Fp8Mlp`
+(both projections and the GELU, done by their casts; two `Fp8Dense` where a projection
+stays in bf16 or under current scaling), the tied output projection is an
+`fp8jax.fp8_einsum` on the embedding table with its own `DotMeta`, and attention is
+`fp8jax.fp8_attention` with an `AttentionMeta` where its backend computes in FP8
+(`GptConfig.fp8_attention`; `runs_fp8_attention`). With `recipe=None`
 the same places run `nn.DenseGeneral` / `nn.Dense`, `jnp.einsum` and
 `fp8jax.attention`, under the same parameter names and shapes, so parameters
 move freely between the two (a bf16 checkpoint loads into the FP8 model).
@@ -127,8 +129,9 @@ class GptConfig:
       zero-fills a stacked buffer for every activation the backward keeps, copies
       each layer's into it and slices it back out, and its kernels are launched one
       at a time (the 350m step, batch 8 x 1024, on an H100 by `fp8jax cost`: bf16
-      71 ms rolled against 37 ms unrolled). On XLA:CPU the tiny model's train step
-      takes 512 ms in FP8 and 176 ms in bf16 rolled, 172 and 138 ms unrolled.
+      71 ms rolled against 36 ms unrolled). On XLA:CPU the tiny model's train step
+      (batch 16 x 128, a 2-core CPU) takes 349 ms in FP8 and 192 ms in bf16 rolled,
+      220 and 149 ms unrolled.
     fp8_attention: with a recipe, run attention in FP8 (`fp8jax.fp8_attention`) where
       the backend chosen for it computes in FP8 (an FP8 kernel; on a CPU, XLA's
       emulation of one). Where it would only dequantize the FP8 inputs into a bf16
@@ -183,7 +186,8 @@ class GptConfig:
       if field == "scan_unroll" and value is None:
         continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"GptConfig.{field}={value!r}: expected a positive int.")
+        raise ValueError(f"GptConfig.{field}={value!r}: expected a positive int"
+                         + (" or None (fully unrolled)." if field == "scan_unroll" else "."))
     if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
       raise ValueError(
           f"GptConfig: d_model={self.d_model} must split into n_heads={self.n_heads} heads "
@@ -424,7 +428,8 @@ class CausalSelfAttention(nn.Module):
 class Mlp(nn.Module):
   """`down(gelu(up(x)))` with d_ff = mlp_ratio * d_model, bias-free.
 
-  The one place the block's MLP is built (`Block` calls it under the name "mlp").
+  The block's MLP (under the name "mlp") where a projection is in bf16 or its recipe is not
+  delayed scaling; otherwise `Block` builds the fused `Fp8Mlp`, with the same variables.
   """
 
   config: GptConfig

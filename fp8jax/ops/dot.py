@@ -316,7 +316,8 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
 
   `chain`: how the cast's amax joins the layer's other casts
   (`fp8jax.ops.fused_kernels.cast_in_chain`: `tile_amaxes`, `accumulator`,
-  `reduce`, `seeds`).
+  `reduce`, `seeds`; under delayed scaling also `prologue`, `prologue_inputs`: the cast
+  quantizes the prologue's result, see `matrix_fwd`).
 
   Returns (cast, scale_inv, running): the `fused_kernels.Cast` (its `amax` the
   new running amax, or the tile maxima, whose reduction with `running` is the
@@ -349,6 +350,10 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   `x_prologue`: the GEMM's input is `x_prologue.fn(x)`, made by x's cast
   (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`).
   """
+  if x_prologue is not None and (meta.recipe.scales_from_tensor or reused is not None):
+    raise ValueError("x_prologue needs delayed scaling and a kernel quantized in this call "
+                     "(no reused FP8 weight): only that cast runs a prologue. Apply the "
+                     "function to x before the dot instead.")
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
   with_prologue = {} if x_prologue is None else dict(prologue=x_prologue)
   # Delayed scaling's running amaxes enter the step as its parameters or zeros:
@@ -422,6 +427,9 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`).
   """
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator = residuals
+  if g_prologue is not None and grad_meta.recipe.scales_from_tensor:
+    raise ValueError("g_prologue needs delayed scaling: a current-scaling cast runs no "
+                     "prologue. Apply the function to the gradient before the dot instead.")
   n_free = g.ndim - (len(layout.kernel_shape) - layout.n_contract)
   g2 = explicit_mesh.to_matrix(g, n_free)
   with_prologue = {} if g_prologue is None else dict(

@@ -261,11 +261,17 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   n_products = len(partner_descales) if with_products else 0
   tiles_len = pallas_kernels.tile_count(x.shape) if tile_amaxes and x.ndim == 2 else 1
 
-  shapes = tuple(jnp.shape(a) for a in pass_through)
   if prologue is not None and gathered_for is not None:
     raise ValueError("prologue is for casts of activations and gradients; a weight's cast "
                      "(gathered_for=...) runs under a partitioning rule without it.")
+  shapes = tuple(jnp.shape(a) for a in pass_through)
   others = tuple(prologue_inputs)
+  if len(others) != (prologue.inputs if prologue is not None else 0) or any(
+      jnp.shape(t) != jnp.shape(x) for t in others):
+    raise ValueError(f"prologue_inputs: got {len(others)} of shapes "
+                     f"{[jnp.shape(t) for t in others]}; the prologue takes "
+                     f"{prologue.inputs if prologue is not None else 0}, each of x's shape "
+                     f"{jnp.shape(x)}.")
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
                 pass_through, others, valid_rows, gathered_for=None):

@@ -21,7 +21,7 @@ What this saves over `fp8_dense(gelu(fp8_dense(x, w_in)), w_out)`: there the GEL
 projection's cast makes gelu(h) from h itself, and the first projection's gradient cast
 makes da gelu'(h) from da and h (`fp8jax.ops.fused_kernels.cast_in_chain`'s prologue):
 two launches and 8 bytes per element of [tokens, F] a step (the 350m GPT: 2.4 ms of its
-step on an H100). Only h is kept for the backward (in bf16, or in FP8 with
+step on an H100). Only h is kept for the backward (in x's dtype, or in FP8 with
 `save_fp8=True`, as `fp8jax.ops.gelu`), beside what the two projections keep.
 
 Numerics: a and dh are cast to FP8 from float32, not rounded to bf16 first (in the
@@ -87,7 +87,8 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
     check_dot_meta(meta, name)
   if meta_in.recipe != meta_out.recipe:
     raise ValueError(f"meta_in follows {meta_in.recipe} and meta_out {meta_out.recipe}; the "
-                     "two projections of one fp8_mlp share a recipe.")
+                     "two projections of one fp8_mlp share a recipe: init both metas with "
+                     "the same one.")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   layouts = _fused_layouts(x, w_in, w_out, meta_in, dims)
   if layouts is None:
