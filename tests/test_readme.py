@@ -252,3 +252,24 @@ def test_blackwell_recipe_figures_are_the_recorded_three_seeds():
     row = (f"| {recipe} | {' | '.join(cells)} | {mean_gap} | {np.mean(finals):.4f}, "
            f"{min(finals):.4f}-{max(finals):.4f} ({max(finals) - min(finals):.4f}) |")
     assert row in guide, row
+
+
+def test_memory_guide_table_is_the_recorded_three_seeds():
+  """The memory guide's accuracy table: each variant's final loss (bf16) or gap to bf16 per
+  seed and its mean, as examples/fp8_memory_accuracy.py recorded them."""
+  record = _record("fp8_memory_3_seeds.json")
+  text = (GUIDES / "memory.md").read_text()
+  labels = {"bf16": "bf16", "delayed": "FP8 delayed", "delayed, FP8 moments": "+ FP8 moments",
+            "delayed, FP8 saved activations": "+ FP8 saved activations",
+            "delayed, FP8 moments + saved activations": "+ both",
+            "bf16, FP8 moments": "bf16 + FP8 moments"}
+  assert set(record["variants"]) == set(labels)
+  for key, label in labels.items():
+    variant = record["variants"][key]
+    assert [run["seed"] for run in variant["runs"]] == [0, 1, 2]
+    cells = [f"{run['final_loss']:.4f}" if key == "bf16" else _percent(run["rel_gap_vs_bf16"])
+             for run in variant["runs"]]
+    assert f"| {label} | {' | '.join(cells)} | {variant['mean_final_loss']:.4f} |" in text
+    assert variant["within_bf16_seed_spread"]
+  low, high = record["variants"]["bf16"]["seed_spread"]
+  assert f"max - min over the seeds, {high - low:.3f})" in text
