@@ -171,19 +171,19 @@ class CostConstants:
     return max(compute, nbytes / self.hbm_bytes_per_s) + self.launch_overhead(in_loop)
 
 
-# An H200 (141 GB HBM3e; the same Hopper chip as the H100 SXM with faster memory),
-# calibrated on the measurements in benchmarks/results/h200_gpu_check/ (jax 0.11.2):
-# the GEMM rates from `fp8_dense` at 8192 (the H100's derivation, tests/
-# test_cost_calibration.py), the bandwidth and the launch cost inside a loop from the
-# demo GPT's whole train steps (350m, bf16 and FP8 delayed scaling, fp8jax's Hopper
-# attention kernel, which a compile without a GPU can build): tests/
-# test_step_calibration.py derives each of them again. The top-level launch cost is
-# the H100's (not measured on the H200).
+#: An H200 (141 GB HBM3e; the same Hopper chip as the H100 SXM with faster memory),
+#: calibrated on the measurements in benchmarks/results/h200_gpu_check/ (jax 0.11.2):
+#: the GEMM rates from `fp8_dense` at 8192 (the H100's derivation, tests/
+#: test_cost_calibration.py), the bandwidth and the launch cost inside a loop from the
+#: demo GPT's whole train steps (350m, bf16 and FP8 delayed scaling, fp8jax's Hopper
+#: attention kernel, which a compile without a GPU can build): tests/
+#: test_step_calibration.py derives each of them again. The top-level launch cost is
+#: the H100's (not measured on the H200).
 H200 = CostConstants(fp8_gemm_flops_per_s=1.3e15, bf16_gemm_flops_per_s=690e12,
                      hbm_bytes_per_s=4.0e12, loop_kernel_overhead_s=3.25e-6)
 
-# The chips `fp8jax cost --chip` predicts for: a compile for the H100 (sm_90a) is the
-# H200's program too, run at the H200's constants.
+#: The chips `fp8jax cost --chip` predicts for: a compile for the H100 (sm_90a) is the
+#: H200's program too, run at the H200's constants.
 CHIP_CONSTANTS = {"h100": CostConstants(), "h200": H200}
 
 
