@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bitwise import assert_bitwise, bits
 import fp8jax
 import pallas_kernels
 from fp8jax import deviceless
@@ -44,19 +45,6 @@ def _rng(*key) -> np.random.Generator:
 
 def _tensor(rng, shape, magnitude):
   return jnp.asarray(rng.standard_normal(shape) * magnitude, jnp.bfloat16)
-
-
-def _bits(a):
-  a = np.asarray(a)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _assert_bitwise(got, want):
-  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
-  assert len(got_leaves) == len(want_leaves)
-  for g, w in zip(got_leaves, want_leaves):
-    assert g.shape == w.shape and g.dtype == w.dtype, (g, w)
-    np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 def _max_abs(*tensors) -> np.float32:
@@ -92,7 +80,7 @@ def test_chained_launches_are_bitwise_their_definition_and_give_each_tensors_ama
   kernel = functools.partial(cast_transpose_amax_in_chain, block_sizes=BLOCKS, interpret=True)
   reference = functools.partial(cast_transpose_amax_in_chain_reference, block_sizes=BLOCKS)
   got = _chain(kernel, k, x, g, *running)
-  _assert_bitwise(got, _chain(reference, k, x, g, *running))
+  assert_bitwise(got, _chain(reference, k, x, g, *running))
   first, second, third = got
   assert first.amax.shape == (tile_count(shape, BLOCKS),)
   assert np.float32(jnp.max(first.amax)) == _max_abs(k)
@@ -102,7 +90,7 @@ def test_chained_launches_are_bitwise_their_definition_and_give_each_tensors_ama
   assert [float(s) for s in first.seeds + second.seeds] == [0.0, 0.0]
   assert third.seeds == () and third.reduced is None
   # The copies the state update reads: the arrays themselves, shapes and bits.
-  _assert_bitwise(second.passed, STATE)
+  assert_bitwise(second.passed, STATE)
   assert first.passed == () == third.passed
 
 
@@ -131,14 +119,14 @@ def test_a_row_limit_keeps_padding_rows_out_of_the_tile_maxima_and_the_fp8_copy(
   got, want = (run(jnp.asarray(x, jnp.bfloat16), jnp.float32(1.0), None, fp8_dtype=E4M3,
                    fp8_max=448.0, tile_amaxes=True, valid_rows=jnp.int32(50),
                    block_sizes=BLOCKS) for run in runs)
-  _assert_bitwise(got, want)
+  assert_bitwise(got, want)
   tiles = np.asarray(got.amax).reshape(7, 3)  # 16 x 32 tiles, row-major
   in_use = np.abs(x[:50])
   for r in range(7):
     for c in range(3):
       tile = in_use[16 * r:16 * r + 16, 32 * c:32 * c + 32]
       assert tiles[r, c] == (tile.max() if tile.size else 0.0), (r, c)
-  assert np.all(_bits(got.q)[50:] == 0) and np.all(_bits(got.q_t)[:, 50:] == 0)
+  assert np.all(bits(got.q)[50:] == 0) and np.all(bits(got.q_t)[:, 50:] == 0)
 
 
 @pytest.mark.parametrize("where", ["tile", "running"])
@@ -236,7 +224,7 @@ def test_fp8_dense_steps_on_the_kernel_path_give_the_jnp_paths_bits(recipe, requ
   want = _two_layer_steps(recipe)
   request.getfixturevalue("interpreted_kernels")
   got = _two_layer_steps(recipe)
-  _assert_bitwise(got, want)
+  assert_bitwise(got, want)
   # The state moved: every role recorded a non-zero amax in its history.
   for meta in jax.tree.leaves(got[-1][2], is_leaf=fp8jax.core.meta.is_meta):
     assert float(meta.amax_history[0]) > 0

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bitwise import assert_bitwise
 import fp8jax
 import pallas_kernels
 from fp8jax import deviceless
@@ -40,19 +41,6 @@ DELAYED = fp8jax.DelayedScaling()
 
 def _rng(*key) -> np.random.Generator:
   return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
-
-
-def _bits(a):
-  a = np.asarray(a)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _assert_bitwise(got, want):
-  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
-  assert len(got_leaves) == len(want_leaves)
-  for g, w in zip(got_leaves, want_leaves):
-    assert g.shape == w.shape and g.dtype == w.dtype, (g, w)
-    np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 def _gelu64(h):
@@ -80,7 +68,7 @@ def test_a_cast_with_a_prologue_is_bitwise_its_definition_and_near_float64(shape
               tile_amaxes=True, seeds=1, block_sizes=BLOCKS)
   got = cast_transpose_amax_in_chain(x, scale, None, interpret=True, **args)
   want = cast_transpose_amax_in_chain_reference(x, scale, None, **args)
-  _assert_bitwise(got, want)
+  assert_bitwise(got, want)
   # Against float64: the function in float64, then the format's rounding (tests/
   # fp8_reference.py). The kernel evaluates the function in float32, where 1 + tanh(u)
   # and 1 - tanh(u)**2 cancel for large |h|: its value is off by up to
@@ -159,7 +147,7 @@ def _composition(x, w_in, w_out, meta_in, meta_out):
 def test_fp8_mlp_is_bitwise_the_composition_in_float32(recipe):
   (loss, grads, state), = _steps(fp8_mlp, recipe, jnp.float32, steps=1)
   (want_loss, want_grads, want_state), = _steps(_composition, recipe, jnp.float32, steps=1)
-  _assert_bitwise((loss, grads), (want_loss, want_grads))
+  assert_bitwise((loss, grads), (want_loss, want_grads))
   # The state: the same, but the two programs fuse the float32 GELU differently.
   _assert_state_close(state, want_state)
   # Every role recorded an amax, the output gradients' in the backward pass.
@@ -183,7 +171,7 @@ def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request):
   request.getfixturevalue("interpreted_kernels")
   got = _steps(fp8_mlp, DELAYED, jnp.bfloat16)
   for (loss, grads, state), (want_loss, want_grads, want_state) in zip(got, want):
-    _assert_bitwise((loss, grads), (want_loss, want_grads))
+    assert_bitwise((loss, grads), (want_loss, want_grads))
     _assert_state_close(state, want_state)
 
 
@@ -256,7 +244,7 @@ def test_fp8_mlp_layer_keeps_its_params_and_state_where_a_dense_pair_does():
   # Loaded into either, the same variables give the same output and state.
   y, new = mlp.apply(pair, x, mutable=["fp8_meta"])
   y_pair, new_pair = _DensePair().apply(pair, x, mutable=["fp8_meta"])
-  _assert_bitwise((y, new), (y_pair, new_pair))
+  assert_bitwise((y, new), (y_pair, new_pair))
 
 
 _MISSING = deviceless.deviceless_toolchain_missing()
