@@ -24,7 +24,8 @@ from fp8jax import deviceless
 from fp8jax.core.quantize import scale_from_amax
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_reference,
                             cast_transpose_from_amax, cast_transpose_from_amax_reference)
-from test_cast_chain import _assert_bitwise, _rng
+from bitwise import assert_bitwise
+from test_cast_chain import _rng
 
 FORMATS = {"e4m3": (fp8jax.E4M3, jnp.float8_e4m3fn, 448.0),
            "e5m2": (fp8jax.E5M2, jnp.float8_e5m2, 57344.0)}
@@ -65,7 +66,7 @@ def test_kernel_is_bitwise_its_definition_with_every_output(shape, dtype, fmt):
                       power_of_two=power_of_two, partner_descales=(jnp.float32(0.37),
                                                                     jnp.float32(3e38)),
                       pass_through=STATE)
-    _assert_bitwise(got, want)
+    assert_bitwise(got, want)
     assert got.passed[1].shape == (16,)
 
 
@@ -86,12 +87,12 @@ def test_definition_makes_the_float64_scale_and_casts_with_it(fmt):
     assert float(got.descale) == np.float32(1.0 / np.float64(scale))
     q, q_t, _ = cast_transpose_amax_reference(x, scale, jnp.float32(0), fp8_dtype=dtype,
                                               fp8_max=fp8_max)
-    _assert_bitwise((got.q, got.q_t), (q, q_t))
+    assert_bitwise((got.q, got.q_t), (q, q_t))
     # The product is the float32 product of two float32 values: exact in float64.
     assert float(got.products[0]) == np.float32(np.float64(got.descale) * 0.25)
     # fp8jax's own rule for the same scale (`scale_from_amax`) agrees bit for bit.
     rule = scale_from_amax(jnp.float32(amax), fp8_format, margin, fallback=jnp.float32(1))
-    _assert_bitwise(got.descale, jnp.float32(1) / rule)
+    assert_bitwise(got.descale, jnp.float32(1) / rule)
     assert float(got.amax) == amax
 
 
@@ -103,11 +104,11 @@ def test_an_amax_that_gives_no_scale_keeps_the_fallback(amax):
   x = _tensor(_rng("fallback"), (100, 72), jnp.bfloat16, 2.0)
   fallback = jnp.float32(8.0)
   got, want = _both(x, jnp.float32(amax), fallback, jnp.float32(1.5), "e4m3")
-  _assert_bitwise(got, want)
+  assert_bitwise(got, want)
   assert float(got.descale) == 0.125
   q, _, _ = cast_transpose_amax_reference(x, fallback, jnp.float32(0),
                                           fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0)
-  _assert_bitwise(got.q, q)
+  assert_bitwise(got.q, q)
   # The running amax is max(amax_in, recorded), NaN winning.
   assert np.isnan(got.amax) if np.isnan(amax) else float(got.amax) == max(1.5, amax)
 
@@ -123,7 +124,7 @@ def test_power_of_two_rounds_the_scale_down():
   for margin, power in ((0, 2.0**5), (100, 2.0**-95)):
     got, want = _both(x, amax, jnp.float32(1), jnp.float32(0), "e4m3", margin=margin,
                       power_of_two=True)
-    _assert_bitwise(got, want)
+    assert_bitwise(got, want)
     assert 2 * power > np.float64(448.0) / 2.0**margin / np.float64(amax) >= power
     assert float(got.descale) == 1 / power
 
@@ -135,7 +136,7 @@ def test_recorded_amax_is_what_the_running_amax_records():
   amax = _amax64(x)
   got, want = _both(x, jnp.float32(2 * amax), jnp.float32(1), jnp.float32(0), "e4m3",
                     recorded_amax=jnp.float32(amax))
-  _assert_bitwise(got, want)
+  assert_bitwise(got, want)
   scale = np.float32(448.0 / np.float64(np.float32(2 * amax)))
   assert float(got.amax) == amax and float(got.descale) == np.float32(1 / np.float64(scale))
 
