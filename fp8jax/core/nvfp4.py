@@ -41,6 +41,7 @@ import numpy as np
 
 from fp8jax.core.blocks import BlockQuantized, block_amax, expand_blocks
 from fp8jax.core.formats import E2M1, E4M3
+from fp8jax.core.hadamard import sylvester_hadamard
 from fp8jax.core.quantize import amax, saturate_cast, scale_from_window
 from fp8jax.core.validation import check_floating
 
@@ -147,10 +148,8 @@ def hadamard_matrix() -> np.ndarray:
 
   Orthonormal: `(H S)(H S)^T = I`, every entry +-1/4 (exact in float32).
   """
-  h = np.ones((1, 1))
-  for _ in range(4):
-    h = np.block([[h, h], [h, -h]])
-  return (h / 4.0 * np.asarray(HADAMARD_SIGNS)[None, :]).astype(np.float32)
+  h = sylvester_hadamard(BLOCK)
+  return (h / 4.0 * np.asarray(HADAMARD_SIGNS, np.float32)[None, :]).astype(np.float32)
 
 
 def hadamard_rows(t: jax.Array) -> jax.Array:

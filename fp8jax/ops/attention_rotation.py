@@ -23,6 +23,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8jax.core.hadamard import sylvester_hadamard
+
 # The signs are part of the definition (a checkpointed model sees the same R in every run).
 ROTATION_SEED = 0
 
@@ -38,9 +40,7 @@ def check_rotatable(head_dim: int) -> None:
 def signed_hadamard(head_dim: int) -> np.ndarray:
   """float32 [head_dim, head_dim]: H diag(s), entries +-1; R = this / sqrt(head_dim)."""
   check_rotatable(head_dim)
-  h = np.ones((1, 1), np.float32)
-  while h.shape[0] < head_dim:
-    h = np.block([[h, h], [h, -h]])
+  h = sylvester_hadamard(head_dim)
   signs = np.random.default_rng(ROTATION_SEED).choice(np.float32([-1.0, 1.0]), head_dim)
   return h * signs[None, :]
 
