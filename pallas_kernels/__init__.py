@@ -25,6 +25,8 @@
   amax, the kernel makes the scale, its reciprocal, the GEMMs' descales and the running
   amax itself (no scalar launch around it); `cast_transpose_from_amax_reference` its
   plain-jnp definition, `CastFromAmax` what it returns.
+* `VectorElement`: a float32 scalar operand of the casts (a scale, a descale) read in
+  place from a vector of packed scalars, so no launch slices it out first.
 * `running_amax`: the amax-only pass of the same kernel, max(amax_in, max|x|) (the
   module's `cast_transpose.amax`, renamed here so it does not read like
   `fp8jax.quantize.amax`, which takes no running amax).
@@ -56,6 +58,7 @@ from pallas_kernels.cast_transpose_chain import (ChainedCast, cast_transpose_ama
 from pallas_kernels.cast_transpose_current import (CastFromAmax, cast_transpose_from_amax,
                                                    cast_transpose_from_amax_reference)
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes, tile_count
+from pallas_kernels.vector_element import VectorElement, element_value
 from pallas_kernels.cast_transpose import amax as running_amax
 from pallas_kernels.scale_update import amax_max, close_steps, close_steps_reference
 from pallas_kernels.varying import can_declare_varying_outputs

@@ -71,6 +71,7 @@ from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag,
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
                                                   tile_count, tile_mask, tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
+from pallas_kernels.vector_element import VectorElement, element_value
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 EXPONENT_BITS = 0x7F800000
@@ -195,11 +196,11 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
         descale = _divide(jnp.float32(1), scale, interpret).reshape(())
         descale_out_ref[...] = descale
       else:
-        descale = descale_ref[...]
+        descale = _read_scalar(descale_ref)
       # The GEMMs' combined descales, capped at the largest float32 so that an
       # all-zero row times an overflowing product stays 0 instead of NaN.
       for partner_ref, product_ref in zip(partner_refs, product_refs):
-        product_ref[...] = jnp.minimum(descale * partner_ref[...], _F32_MAX)
+        product_ref[...] = jnp.minimum(descale * _read_scalar(partner_ref), _F32_MAX)
   if amax.accumulate == "given":
     @pl.when(first)
     def _():
@@ -361,18 +362,15 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
     operands.append(valid_rows.reshape(1))
     in_specs.append(scalar_spec)
   if cast is not None:
-    operands.append(scale.reshape(1))
-    in_specs.append(scalar_spec)
+    _add_scalar(operands, in_specs, scale, scalar_spec)
   if amax.accumulate == "given":
     operands += [a.reshape(1) for a in given]
     in_specs += [scalar_spec] * 2
   n_partners = 0 if partners is None else len(partners)
   if n_partners and from_amax is None:
-    operands.append(descale)
-    in_specs.append(rank0_spec)
-  if n_partners:
-    operands += list(partners)
-    in_specs += [rank0_spec] * n_partners
+    _add_scalar(operands, in_specs, descale, rank0_spec)
+  for partner in partners or ():
+    _add_scalar(operands, in_specs, partner, rank0_spec)
   if amax.accumulate != "tiles":  # tile maxima leave amax_in to the launch reducing them
     operands.append(amax_in.reshape(1))
     in_specs.append(scalar_spec)
@@ -455,6 +453,23 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   return q, q_t, amax_out, products, reduced, seeds, copies, descale_out
 
 
+def _add_scalar(operands: list, in_specs: list, value, spec: pl.BlockSpec) -> None:
+  """Appends a float32 scalar operand: an array with `spec` ([1] blocks take it as a [1]
+  array, a free reshape in XLA), or a `VectorElement`, whose [1] block is its element of
+  the vector, read in place (no launch slices it out)."""
+  if isinstance(value, VectorElement):
+    operands.append(value.vector)
+    in_specs.append(pl.BlockSpec((1,), lambda i, j, index=value.index: (index,)))
+  else:
+    operands.append(value if spec.block_shape == () else value.reshape(1))
+    in_specs.append(spec)
+
+
+def _read_scalar(ref):
+  """The float32[] a scalar operand's ref holds, from its 0-d or [1] block."""
+  return ref[...] if ref.shape == () else ref[0]
+
+
 @functools.partial(jax.jit, static_argnames=("cast", "amax", "block_sizes", "interpret"))
 def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, tiles=None,
            passed=(), given=None, others=(), valid_rows=None, *, cast, amax=AmaxSpec(),
@@ -488,7 +503,9 @@ def cast_transpose_amax(
 
   Args:
     x: [R, C] bfloat16, float16 or float32.
-    scale: float32[] quantization scale (multiplies before the cast).
+    scale: float32[] quantization scale (multiplies before the cast), or a
+      `VectorElement` (as are descale and each partner descale): read in place from its
+      vector.
     amax_in: float32[] running amax, >= 0 or NaN (an amax never has its sign bit set;
       on a GPU a NaN with the sign bit set, as x86 produces for 0 * inf, would be
       replaced by max|x| instead of kept).
@@ -511,7 +528,7 @@ def cast_transpose_amax(
   """
   check_x(x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
-  scale = scalar_f32(scale, "scale")
+  scale = scalar_f32(scale, "scale", element_ok=True)
   amax_in = scalar_f32(amax_in, "amax_in")
   check_flag(transpose, "transpose")
   check_flag(interpret, "interpret")
@@ -579,7 +596,7 @@ def cast_transpose_amax_reference(
   """
   check_x(x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
-  scale = scalar_f32(scale, "scale")
+  scale = element_value(scalar_f32(scale, "scale", element_ok=True))
   amax_in = scalar_f32(amax_in, "amax_in")
   x = rows_in_use(x, row_limit(valid_rows))
   q = jnp.clip(x.astype(jnp.float32) * scale, -fp8_max, fp8_max).astype(fp8_dtype)
@@ -591,5 +608,7 @@ def cast_transpose_amax_reference(
   descale, partner_descales = check_products(descale, partner_descales)
   if partner_descales is None:
     return q, (q.T if transpose else None), amax_out
-  products = tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
+  descale = element_value(descale)
+  products = tuple(jnp.minimum(descale * element_value(p), _F32_MAX)
+                   for p in partner_descales)
   return q, (q.T if transpose else None), amax_out, products

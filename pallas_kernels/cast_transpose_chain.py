@@ -103,7 +103,7 @@ def cast_transpose_amax_in_chain(
   check_x(x)
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
-  scale = scalar_f32(scale, "scale")
+  scale = scalar_f32(scale, "scale", element_ok=True)
   check_flag(transpose, "transpose")
   check_flag(interpret, "interpret")
   check_flag(tile_amaxes, "tile_amaxes")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes
+from pallas_kernels.vector_element import VectorElement, check_vector_element
 
 FP8_MAX = {
     jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
@@ -59,9 +60,9 @@ def check_products(descale, partner_descales):
   if not isinstance(partner_descales, (tuple, list)) or not 1 <= len(partner_descales) <= 4:
     raise ValueError("partner_descales must be a tuple of 1 to 4 float32 scalars, got "
                      f"{type(partner_descales).__name__}.")
-  partners = tuple(scalar_f32(p, f"partner_descales[{i}]")
+  partners = tuple(scalar_f32(p, f"partner_descales[{i}]", element_ok=True)
                    for i, p in enumerate(partner_descales))
-  return scalar_f32(descale, "descale"), partners
+  return scalar_f32(descale, "descale", element_ok=True), partners
 
 
 def check_margin(margin) -> None:
@@ -111,8 +112,15 @@ def check_pass_through(pass_through) -> tuple:
   return arrays
 
 
-def scalar_f32(value, argname: str) -> jax.Array:
-  """`value` as a float32[] array; Python floats are accepted, other dtypes are not."""
+def scalar_f32(value, argname: str, element_ok: bool = False) -> jax.Array | VectorElement:
+  """`value` as a float32[] array; Python floats are accepted, other dtypes are not.
+  With `element_ok`, a `VectorElement` (a float32 read in place from a vector: scales and
+  descales, which the kernel only reads) is checked and kept."""
+  if isinstance(value, VectorElement):
+    if not element_ok:
+      raise ValueError(f"{argname} cannot be a VectorElement: the kernel writes or reduces "
+                       "it; pass a float32[] array.")
+    return check_vector_element(value, argname)
   if isinstance(value, (int, float)) and not isinstance(value, bool):
     return jnp.asarray(value, jnp.float32)
   shape = jnp.shape(value)

@@ -15,6 +15,7 @@ must agree bit for bit. The tests marked `hopper` compile for an H100 without a 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 
@@ -129,6 +130,52 @@ def test_a_row_limit_keeps_padding_rows_out_of_the_tile_maxima_and_the_fp8_copy(
   assert np.all(bits(got.q)[50:] == 0) and np.all(bits(got.q_t)[:, 50:] == 0)
 
 
+def test_scales_read_in_place_from_one_packed_vector_give_the_same_bits():
+  """A chain whose scales and descales are elements of one vector (`VectorElement`, as
+  `fp8jax.ops.fused_kernels.packed_scalars` hands them over) casts as with each its own
+  array, in the interpreter and in jnp."""
+  rng = _rng("packed")
+  k, x, g = (_tensor(rng, (100, 72), m) for m in (3.0, 40.0, 1e-3))
+  running = (jnp.float32(0.25), jnp.float32(0.5), jnp.float32(1e-5))
+  # Each scalar of `_chain` at its own index, among other values the casts must not read.
+  values = jnp.asarray([7.0, 2.0, 3.0, 1 / 3, 0.5, 512.0, 1 / 512, 9.0], jnp.float32)
+  at = {float(v): pallas_kernels.VectorElement(values, i) for i, v in enumerate(values)}
+
+  def packed_chain(run, *args):
+    def with_elements(t, scale, running, descale=None, partner_descales=None, **kw):
+      element = lambda v: at[float(np.float32(v))]
+      if descale is not None:
+        descale, partner_descales = element(descale), tuple(map(element, partner_descales))
+      return run(t, element(scale), running, descale=descale,
+                 partner_descales=partner_descales, **kw)
+    return _chain(with_elements, *args)
+
+  for run in (functools.partial(cast_transpose_amax_in_chain, block_sizes=BLOCKS,
+                                interpret=True),
+              functools.partial(cast_transpose_amax_in_chain_reference, block_sizes=BLOCKS)):
+    assert_bitwise(packed_chain(run, k, x, g, *running), _chain(run, k, x, g, *running))
+
+
+@pytest.mark.parametrize("element, message", [
+    (lambda: pallas_kernels.VectorElement(jnp.ones(3), 3), r"scale: .* 0 <= index < n"),
+    (lambda: pallas_kernels.VectorElement(jnp.ones(3, jnp.int32), 0), r"dtype int32"),
+    (lambda: pallas_kernels.VectorElement(jnp.ones((2, 2)), 0), r"shape \(2, 2\)"),
+])
+def test_a_bad_vector_element_is_refused_naming_the_argument(element, message):
+  with pytest.raises(ValueError, match=message):
+    cast_transpose_amax_in_chain(jnp.ones((32, 32), jnp.bfloat16), element(), jnp.float32(0),
+                                 fp8_dtype=E4M3, fp8_max=448.0, interpret=True)
+
+
+def test_a_running_amax_cannot_be_a_vector_element():
+  """The kernel maxes into its running amax in place: it must be its own array."""
+  with pytest.raises(ValueError, match="amax_in cannot be a VectorElement"):
+    pallas_kernels.cast_transpose_amax(
+        jnp.ones((32, 32), jnp.bfloat16), jnp.float32(1.0),
+        pallas_kernels.VectorElement(jnp.zeros(2), 0), fp8_dtype=E4M3, fp8_max=448.0,
+        interpret=True)
+
+
 @pytest.mark.parametrize("where", ["tile", "running"])
 def test_a_nan_in_the_tiles_or_the_running_amax_makes_the_reduced_amax_nan(where):
   rng = _rng("nan", where)
@@ -190,19 +237,22 @@ def interpreted_kernels(monkeypatch):
   monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
 
 
-def _two_layer_steps(recipe, steps=3):
+def _two_layer_steps(recipe, steps=3, stacked=False):
   """`steps` jitted train steps of two `fp8_dense` layers, the second used twice with
   one threaded meta (its running amaxes carry from one use to the next). Returns every
-  step's loss, gradients and FP8 state."""
+  step's loss, gradients and FP8 state. `stacked`: traced inside
+  `fused_kernels.stacked_state()`, where the casts read each layer's scales as elements
+  of one packed vector (`fused_kernels.packed_scalars`)."""
   rng = _rng("steps", type(recipe).__name__)
   params = {"k1": jnp.asarray(rng.standard_normal((80, 48)) * 0.3, jnp.bfloat16),
             "k2": jnp.asarray(rng.standard_normal((48, 48)) * 0.2, jnp.bfloat16)}
   x = jnp.asarray(rng.standard_normal((96, 80)) * 3, jnp.bfloat16)
 
   def loss_fn(params, state, x):
-    h, m1 = fp8jax.fp8_dense(x, params["k1"], None, state["l1"])
-    h, m2 = fp8jax.fp8_dense(jax.nn.gelu(h), params["k2"], None, state["l2"])
-    h, m2 = fp8jax.fp8_dense(h, params["k2"], None, m2)
+    with fused_kernels.stacked_state() if stacked else contextlib.nullcontext():
+      h, m1 = fp8jax.fp8_dense(x, params["k1"], None, state["l1"])
+      h, m2 = fp8jax.fp8_dense(jax.nn.gelu(h), params["k2"], None, state["l2"])
+      h, m2 = fp8jax.fp8_dense(h, params["k2"], None, m2)
     return jnp.mean(jnp.square(h.astype(jnp.float32))), {"l1": m1, "l2": m2}
 
   state = {"l1": fp8jax.init_dot_meta(recipe), "l2": fp8jax.init_dot_meta(recipe)}
@@ -218,12 +268,14 @@ def _two_layer_steps(recipe, steps=3):
   return trajectory
 
 
-@pytest.mark.parametrize("recipe", [fp8jax.DelayedScaling(amax_history_len=4),
-                                    fp8jax.CurrentScaling()], ids=["delayed", "current"])
-def test_fp8_dense_steps_on_the_kernel_path_give_the_jnp_paths_bits(recipe, request):
+@pytest.mark.parametrize("recipe, stacked", [
+    (fp8jax.DelayedScaling(amax_history_len=4), False),
+    (fp8jax.DelayedScaling(amax_history_len=4), True),
+    (fp8jax.CurrentScaling(), False)], ids=["delayed", "delayed-stacked", "current"])
+def test_fp8_dense_steps_on_the_kernel_path_give_the_jnp_paths_bits(recipe, stacked, request):
   want = _two_layer_steps(recipe)
   request.getfixturevalue("interpreted_kernels")
-  got = _two_layer_steps(recipe)
+  got = _two_layer_steps(recipe, stacked=stacked)
   assert_bitwise(got, want)
   # The state moved: every role recorded a non-zero amax in its history.
   for meta in jax.tree.leaves(got[-1][2], is_leaf=fp8jax.core.meta.is_meta):

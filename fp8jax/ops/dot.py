@@ -302,7 +302,7 @@ def matrix_layout(dims, x_shape, kernel_shape, x_spec=None,
 
 
 def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_amax=None,
-                     **chain):
+                     scales=None, **chain):
   """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `t`'s amax.
 
   Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
@@ -325,7 +325,8 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   descale `1 / scale`, and the running amax before this cast (None under current
   scaling). `cast.products[i] = scale_inv * partner_descales[i]` (capped at the
   float32 max): each GEMM's one descale. `known_amax`: max|t| from t's producer
-  (current scaling then skips its amax pass).
+  (current scaling then skips its amax pass). `scales`: (scale, scale_inv) to use for
+  meta's under delayed scaling (`VectorElement`s of `_scales_in_one_vector`), or None.
   """
   if meta.recipe.scales_from_tensor:
     with jax.named_scope("amax"):
@@ -336,12 +337,34 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
         partner_descales=partner_descales, gathered_for=gathered_for,
         pass_through=chain.get("pass_through", ()))
     return cast, cast.descale, None
-  scale, scale_inv, running = meta.scale, meta.scale_inv, meta.amax
+  scale, scale_inv = scales or (meta.scale, meta.scale_inv)
+  running = meta.amax
   cast = cast_in_chain(
       t, scale, None if chain.get("tile_amaxes") else running, meta.fmt,
       descale=scale_inv if partner_descales is not None else None,
       partner_descales=partner_descales, gathered_for=gathered_for, **chain)
   return cast, scale_inv, running
+
+
+_ROLES = ("x", "kernel", "grad")
+
+
+def _scales_in_one_vector(meta: DotMeta) -> dict:
+  """Each role's (scale, scale_inv) as `VectorElement`s of one float32 [6] vector.
+
+  Where a layer's state is sliced from a stack of layers (`fused_kernels.stacked_state`),
+  each scale a cast kernel reads would be sliced out by a launch of its own: a custom
+  call takes no fused slice (the 350m GPT: 624 launches a step, 26 a layer). Packed, the
+  six slices fuse into the one kernel that writes the vector, and the casts, forward and
+  backward, read their elements in place.
+
+  Returns:
+    {role: (scale, scale_inv)} for the roles "x", "kernel" and "grad".
+  """
+  elements = fused_kernels.packed_scalars([getattr(getattr(meta, role), field)
+                                           for role in _ROLES
+                                           for field in ("scale", "scale_inv")])
+  return {role: elements[2 * i:2 * i + 2] for i, role in enumerate(_ROLES)}
 
 
 def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
@@ -374,6 +397,7 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   passed = () if fused_kernels.in_stacked_state() else (
       meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
       meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
+  grad_scales = None
   if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
@@ -381,13 +405,16 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
                                               pass_through=passed)
     k_amax = amax_max(meta.kernel.amax, kernel_amax)
   elif chain:
+    packed = (_scales_in_one_vector(meta) if fused_kernels.in_stacked_state()
+              else dict.fromkeys(_ROLES))
     k_cast, scale_inv_k, k_running = _quantize_matrix(
         explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,
-        gathered_for=x2, tile_amaxes=True, seeds=1)
+        gathered_for=x2, scales=packed["kernel"], tile_amaxes=True, seeds=1)
     qk, qk_t = k_cast.q, k_cast.q_t
     x_cast, scale_inv_x, _ = _quantize_matrix(
-        x2, meta.x, x, (scale_inv_k,), accumulator=k_cast.seeds[0],
+        x2, meta.x, x, (scale_inv_k,), scales=packed["x"], accumulator=k_cast.seeds[0],
         reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed, **with_prologue)
+    grad_scales = packed["grad"]
     k_amax = x_cast.reduced
   else:
     k_cast, scale_inv_k, _ = _quantize_matrix(
@@ -415,7 +442,7 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   qx_t, scale_inv_x = saved_activations.named(x_cast.q_t, scale_inv_x, "dense_x")
   g_accumulator = (checkpoint_name(x_cast.seeds[0], saved_activations.GRAD_AMAX_SEED)
                    if chain else None)
-  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator)
+  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator, grad_scales)
   return out, new_meta, residuals
 
 
@@ -426,7 +453,7 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
   input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`).
   """
-  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator = residuals
+  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator, grad_scales = residuals
   if g_prologue is not None and grad_meta.recipe.scales_from_tensor:
     raise ValueError("g_prologue needs delayed scaling: a current-scaling cast runs no "
                      "prologue. Apply the function to the gradient before the dot instead.")
@@ -438,7 +465,8 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   # The grad role's scale is the forward state's; its amax goes to the cotangent.
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
   g_cast, _, _ = _quantize_matrix(g2, with_running, g, (scale_inv_k, scale_inv_x),
-                                  accumulator=g_accumulator, **with_prologue)
+                                  scales=grad_scales, accumulator=g_accumulator,
+                                  **with_prologue)
   qg, qg_t = g_cast.q, g_cast.q_t
   dgrad_descale, wgrad_descale = g_cast.products
   # On an explicit-axis mesh dx is sharded as x (qx_t is x^T) and dk as the kernel

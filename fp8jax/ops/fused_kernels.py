@@ -55,6 +55,7 @@ from jax.custom_batching import custom_vmap
 
 import pallas_kernels
 from pallas_kernels.activations import Prologue
+from pallas_kernels.vector_element import VectorElement, element_value
 from fp8jax.core.formats import Fp8Format
 from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_from_amax
 from fp8jax.mesh.axes import fully_manual, inside_shard_map
@@ -242,7 +243,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
 
   Args:
     x, scale, running_amax, fmt, descale, partner_descales, gathered_for, valid_rows: as
-      for `cast_transpose_amax` (`running_amax` None with `tile_amaxes`).
+      for `cast_transpose_amax` (`running_amax` None with `tile_amaxes`; the scale and
+      descales float32[] arrays or elements of `packed_scalars`).
     accumulator: a seed of an earlier cast of the same step.
     tile_amaxes: return the tile maxima instead of the running amax.
     reduce: (tiles, running) of an earlier cast.
@@ -275,6 +277,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
                 pass_through, others, valid_rows, gathered_for=None):
+    scale, descale = element_value(scale), element_value(descale)
+    if with_products:
+      partner_descales = tuple(map(element_value, partner_descales))
     if prologue is not None:
       x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
     x = pallas_kernels.rows_in_use(x, valid_rows)
@@ -293,14 +298,22 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds,
                 tuple(pass_through))
 
+  # Scales and descales given as `VectorElement`s travel to the kernel as their vectors
+  # (a partitioning rule takes arrays); their indices are static.
+  scale_index = _element_index(scale)
+  descale_indices = ((_element_index(descale), *map(_element_index, partner_descales))
+                     if with_products else ())
+
   def local_kernel(x, *operands):
     operands = list(operands)
     tensors = tuple(operands.pop(0) for _ in others)
-    scale = operands.pop(0)
+    scale = _as_element(operands.pop(0), scale_index)
     rows = operands.pop(0) if valid_rows is not None else None
     running = None if tile_amaxes else operands.pop(0)
-    descale = operands.pop(0) if with_products else None
-    partners = tuple(operands.pop(0) for _ in range(n_products)) if with_products else None
+    descale, partners = None, None
+    if with_products:
+      descale, *partners = (_as_element(operands.pop(0), index) for index in descale_indices)
+      partners = tuple(partners)
     acc = operands.pop(0) if accumulator is not None else None
     tiles = (operands.pop(0), operands.pop(0)) if reduce is not None else None
     out = pallas_kernels.cast_transpose_amax_in_chain(
@@ -322,9 +335,10 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
              pass_through, others, valid_rows, gathered_for):
     # Copied through as vectors (a partitioning rule gives each output one layout).
-    operands = list(others) + [scale] + ([] if valid_rows is None else [valid_rows]) + (
+    operands = list(others) + [_array_of(scale)] + (
+        [] if valid_rows is None else [valid_rows]) + (
         [] if tile_amaxes else [running_amax]) + (
-        [descale, *partner_descales] if with_products else []) + (
+        list(map(_array_of, (descale, *partner_descales))) if with_products else []) + (
         [accumulator] if accumulator is not None else []) + (
         list(reduce) if reduce is not None else []) + [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
@@ -349,6 +363,41 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   takes = _takes(x) and all(_takes(t) for t in others)
   cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
+
+
+def packed_scalars(scalars) -> tuple:
+  """float32 scalars as elements of one vector that the cast kernels read in place.
+
+  A cast kernel's scalar operand that XLA has to slice out of a larger array (a layer's
+  scale in a stack of layers' state) costs a launch of its own: XLA fuses a slice into
+  the kernels it writes, never into a custom call. Packed, the slices fuse into the one
+  kernel that writes the vector, and every cast reads its element where it is (the
+  jnp form reads the same elements).
+
+  Args:
+    scalars: float32 arrays of one element each ([] or [1]).
+
+  Returns:
+    One `pallas_kernels.VectorElement` per scalar, in order, for `cast_in_chain`'s
+    `scale`, `descale` and `partner_descales`.
+  """
+  vector = jnp.concatenate([jnp.ravel(s).astype(jnp.float32) for s in scalars])
+  return tuple(VectorElement(vector, i) for i in range(len(scalars)))
+
+
+def _element_index(value) -> int | None:
+  """The index a `VectorElement` reads, None for a plain array."""
+  return value.index if isinstance(value, VectorElement) else None
+
+
+def _array_of(value) -> jax.Array:
+  """The array a scalar operand travels as: a `VectorElement`'s vector, else itself."""
+  return value.vector if isinstance(value, VectorElement) else value
+
+
+def _as_element(array: jax.Array, index: int | None):
+  """A scalar operand again: `VectorElement(array, index)`, or `array` (index None)."""
+  return array if index is None else VectorElement(array, index)
 
 
 @custom_vmap
