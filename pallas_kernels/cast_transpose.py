@@ -371,7 +371,9 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
     _add_scalar(operands, in_specs, descale, rank0_spec)
   for partner in partners or ():
     _add_scalar(operands, in_specs, partner, rank0_spec)
-  if amax.accumulate != "tiles":  # tile maxima leave amax_in to the launch reducing them
+  if amax.accumulate == "given":  # read only: it may be a VectorElement
+    _add_scalar(operands, in_specs, amax_in, scalar_spec)
+  elif amax.accumulate != "tiles":  # tile maxima leave amax_in to the launch reducing them
     operands.append(amax_in.reshape(1))
     in_specs.append(scalar_spec)
   aliased = len(operands) - 1

@@ -23,6 +23,7 @@ from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag,
                                                   check_margin, check_pass_through,
                                                   check_products, check_x, scalar_f32)
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes
+from pallas_kernels.vector_element import element_value
 
 
 class CastFromAmax(NamedTuple):
@@ -70,7 +71,8 @@ def cast_transpose_from_amax(
     x: [R, C] bfloat16, float16 or float32.
     amax: float32[] max|x| (of the whole tensor where x is a shard of it).
     fallback_scale: float32[] the scale kept where `amax` gives none (0, inf, NaN).
-    amax_in: float32[] running amax.
+    amax_in: float32[] running amax (it and fallback_scale may be `VectorElement`s, read in
+      place from their vector).
     fp8_dtype, fp8_max, transpose, block_sizes, interpret: as for `cast_transpose_amax`.
     margin: the scale is divided by 2**margin (an int >= 0).
     power_of_two: round the scale down to a power of two.
@@ -87,8 +89,8 @@ def cast_transpose_from_amax(
   check_x(x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   amax = scalar_f32(amax, "amax")
-  fallback_scale = scalar_f32(fallback_scale, "fallback_scale")
-  amax_in = scalar_f32(amax_in, "amax_in")
+  fallback_scale = scalar_f32(fallback_scale, "fallback_scale", element_ok=True)
+  amax_in = scalar_f32(amax_in, "amax_in", element_ok=True)
   recorded_amax = amax if recorded_amax is None else scalar_f32(recorded_amax, "recorded_amax")
   check_margin(margin)
   for flag, name in ((power_of_two, "power_of_two"), (transpose, "transpose"),
@@ -121,7 +123,7 @@ def cast_transpose_from_amax_reference(
   check_x(x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   amax = scalar_f32(amax, "amax")
-  fallback_scale = scalar_f32(fallback_scale, "fallback_scale")
+  fallback_scale = element_value(scalar_f32(fallback_scale, "fallback_scale", element_ok=True))
   recorded_amax = amax if recorded_amax is None else scalar_f32(recorded_amax, "recorded_amax")
   check_margin(margin)
   quotient = jnp.float32(float(fp8_max) / 2.0**margin) / amax
@@ -140,6 +142,7 @@ def cast_transpose_from_amax_reference(
   q, q_t, _, *products = cast_transpose_amax_reference(
       x, scale, jnp.float32(0), fp8_dtype=fp8_dtype, fp8_max=fp8_max, transpose=transpose,
       descale=None if partners is None else descale, partner_descales=partners)
-  return CastFromAmax(q, q_t, bits_max(scalar_f32(amax_in, "amax_in"), recorded_amax),
+  amax_in = element_value(scalar_f32(amax_in, "amax_in", element_ok=True))
+  return CastFromAmax(q, q_t, bits_max(amax_in, recorded_amax),
                       descale, products[0] if products else None,
                       check_pass_through(pass_through))

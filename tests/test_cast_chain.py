@@ -271,7 +271,9 @@ def _two_layer_steps(recipe, steps=3, stacked=False):
 @pytest.mark.parametrize("recipe, stacked", [
     (fp8jax.DelayedScaling(amax_history_len=4), False),
     (fp8jax.DelayedScaling(amax_history_len=4), True),
-    (fp8jax.CurrentScaling(), False)], ids=["delayed", "delayed-stacked", "current"])
+    (fp8jax.CurrentScaling(), False),
+    (fp8jax.CurrentScaling(), True)], ids=["delayed", "delayed-stacked", "current",
+                                           "current-stacked"])
 def test_fp8_dense_steps_on_the_kernel_path_give_the_jnp_paths_bits(recipe, stacked, request):
   want = _two_layer_steps(recipe)
   request.getfixturevalue("interpreted_kernels")

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+import pallas_kernels
 from fp8jax import deviceless
 from fp8jax.core.quantize import scale_from_amax
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_reference,
@@ -94,6 +95,20 @@ def test_definition_makes_the_float64_scale_and_casts_with_it(fmt):
     rule = scale_from_amax(jnp.float32(amax), fp8_format, margin, fallback=jnp.float32(1))
     assert_bitwise(got.descale, jnp.float32(1) / rule)
     assert float(got.amax) == amax
+
+
+@pytest.mark.parametrize("amax", [0.75, 0.0], ids=["scale-from-amax", "fallback"])
+def test_a_fallback_scale_and_running_amax_read_from_a_packed_vector_give_the_same_bits(amax):
+  """`VectorElement`s (as `fp8jax.ops.fused_kernels.packed_scalars` hands a stacked state's
+  scalars over) for the fallback scale and the running amax: the kernel and its definition
+  read the same numbers as from arrays of their own; the other elements are not read."""
+  x = _tensor(_rng("packed"), (100, 72), jnp.bfloat16, 2.0)
+  vector = jnp.asarray([9.0, 8.0, 1.5, -3.0], jnp.float32)
+  fallback, amax_in = (pallas_kernels.VectorElement(vector, i) for i in (1, 2))
+  x_amax = jnp.float32(_amax64(x)) if amax else jnp.float32(0.0)
+  for got, want in zip(_both(x, x_amax, fallback, amax_in, "e4m3"),
+                       _both(x, x_amax, jnp.float32(8.0), jnp.float32(1.5), "e4m3")):
+    assert_bitwise(got, want)
 
 
 @pytest.mark.parametrize("amax", [0.0, np.inf, np.nan, 1e-45], ids=["zero", "inf", "nan",

@@ -302,7 +302,7 @@ def matrix_layout(dims, x_shape, kernel_shape, x_spec=None,
 
 
 def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_amax=None,
-                     scales=None, **chain):
+                     packed=None, **chain):
   """FP8 copies of a 2-D `t` in both layouts, the GEMM descales, and `t`'s amax.
 
   Delayed scaling: one pass over t (the fused cast-transpose-amax kernel on a
@@ -325,19 +325,21 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   descale `1 / scale`, and the running amax before this cast (None under current
   scaling). `cast.products[i] = scale_inv * partner_descales[i]` (capped at the
   float32 max): each GEMM's one descale. `known_amax`: max|t| from t's producer
-  (current scaling then skips its amax pass). `scales`: (scale, scale_inv) to use for
-  meta's under delayed scaling (`VectorElement`s of `_scales_in_one_vector`), or None.
+  (current scaling then skips its amax pass). `packed`: meta's scalars the casts read as
+  elements of one vector (`_packed_state`), by field name, or None.
   """
+  packed = packed or {}
   if meta.recipe.scales_from_tensor:
     with jax.named_scope("amax"):
       t_amax = amax(t) if known_amax is None else known_amax
     cast = cast_from_amax(
-        t, amax_of_whole(meta, t_amax, like), meta.scale, meta.amax, meta.fmt,
+        t, amax_of_whole(meta, t_amax, like), packed.get("scale", meta.scale),
+        packed.get("amax", meta.amax), meta.fmt,
         margin=meta.recipe.margin, power_of_two=meta.recipe.power_of_two, recorded=t_amax,
         partner_descales=partner_descales, gathered_for=gathered_for,
         pass_through=chain.get("pass_through", ()))
     return cast, cast.descale, None
-  scale, scale_inv = scales or (meta.scale, meta.scale_inv)
+  scale, scale_inv = packed.get("scale", meta.scale), packed.get("scale_inv", meta.scale_inv)
   running = meta.amax
   cast = cast_in_chain(
       t, scale, None if chain.get("tile_amaxes") else running, meta.fmt,
@@ -349,22 +351,27 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
 _ROLES = ("x", "kernel", "grad")
 
 
-def _scales_in_one_vector(meta: DotMeta) -> dict:
-  """Each role's (scale, scale_inv) as `VectorElement`s of one float32 [6] vector.
+def _packed_state(meta: DotMeta) -> dict:
+  """The scalars of each role the casts read, as elements of one float32 vector.
 
   Where a layer's state is sliced from a stack of layers (`fused_kernels.stacked_state`),
-  each scale a cast kernel reads would be sliced out by a launch of its own: a custom
+  each scalar a cast kernel reads would be sliced out by a launch of its own: a custom
   call takes no fused slice (the 350m GPT: 624 launches a step, 26 a layer). Packed, the
   six slices fuse into the one kernel that writes the vector, and the casts, forward and
-  backward, read their elements in place.
+  backward, read their elements in place. Delayed scaling's casts read each role's scale
+  and scale_inv; current scaling's its scale (the fallback) and, but for the output
+  gradient's (its cotangent's), its running amax.
 
   Returns:
-    {role: (scale, scale_inv)} for the roles "x", "kernel" and "grad".
+    {role: {field: VectorElement}} for the roles "x", "kernel" and "grad".
   """
-  elements = fused_kernels.packed_scalars([getattr(getattr(meta, role), field)
-                                           for role in _ROLES
-                                           for field in ("scale", "scale_inv")])
-  return {role: elements[2 * i:2 * i + 2] for i, role in enumerate(_ROLES)}
+  if meta.recipe.scales_from_tensor:
+    fields = {"x": ("scale", "amax"), "kernel": ("scale", "amax"), "grad": ("scale",)}
+  else:
+    fields = dict.fromkeys(_ROLES, ("scale", "scale_inv"))
+  elements = iter(fused_kernels.packed_scalars([getattr(getattr(meta, role), field)
+                                                for role in _ROLES for field in fields[role]]))
+  return {role: {field: next(elements) for field in fields[role]} for role in _ROLES}
 
 
 def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
@@ -397,7 +404,9 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   passed = () if fused_kernels.in_stacked_state() else (
       meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
       meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
-  grad_scales = None
+  # Not for a reused FP8 weight, whose cast ran elsewhere.
+  packed = (_packed_state(meta) if fused_kernels.in_stacked_state() and reused is None
+            else dict.fromkeys(_ROLES))
   if reused is not None:
     qk, qk_t, kernel_amax, scale_inv_k = reused
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
@@ -405,24 +414,22 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
                                               pass_through=passed)
     k_amax = amax_max(meta.kernel.amax, kernel_amax)
   elif chain:
-    packed = (_scales_in_one_vector(meta) if fused_kernels.in_stacked_state()
-              else dict.fromkeys(_ROLES))
     k_cast, scale_inv_k, k_running = _quantize_matrix(
         explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,
-        gathered_for=x2, scales=packed["kernel"], tile_amaxes=True, seeds=1)
+        gathered_for=x2, packed=packed["kernel"], tile_amaxes=True, seeds=1)
     qk, qk_t = k_cast.q, k_cast.q_t
     x_cast, scale_inv_x, _ = _quantize_matrix(
-        x2, meta.x, x, (scale_inv_k,), scales=packed["x"], accumulator=k_cast.seeds[0],
+        x2, meta.x, x, (scale_inv_k,), packed=packed["x"], accumulator=k_cast.seeds[0],
         reduce=(k_cast.amax, k_running), seeds=1, pass_through=passed, **with_prologue)
-    grad_scales = packed["grad"]
     k_amax = x_cast.reduced
   else:
     k_cast, scale_inv_k, _ = _quantize_matrix(
         explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,
-        gathered_for=x2)
+        gathered_for=x2, packed=packed["kernel"])
     qk, qk_t, k_amax = k_cast.q, k_cast.q_t, k_cast.amax
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
-                                              known_amax=x_amax, pass_through=passed)
+                                              known_amax=x_amax, packed=packed["x"],
+                                              pass_through=passed)
   (fprop_descale,) = x_cast.products
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
@@ -442,7 +449,7 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
   qx_t, scale_inv_x = saved_activations.named(x_cast.q_t, scale_inv_x, "dense_x")
   g_accumulator = (checkpoint_name(x_cast.seeds[0], saved_activations.GRAD_AMAX_SEED)
                    if chain else None)
-  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator, grad_scales)
+  residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator, packed["grad"])
   return out, new_meta, residuals
 
 
@@ -453,7 +460,7 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
   input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`).
   """
-  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator, grad_scales = residuals
+  qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator, grad_packed = residuals
   if g_prologue is not None and grad_meta.recipe.scales_from_tensor:
     raise ValueError("g_prologue needs delayed scaling: a current-scaling cast runs no "
                      "prologue. Apply the function to the gradient before the dot instead.")
@@ -465,7 +472,7 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   # The grad role's scale is the forward state's; its amax goes to the cotangent.
   with_running = dataclasses.replace(grad_meta, amax=grad_cotangent.amax)
   g_cast, _, _ = _quantize_matrix(g2, with_running, g, (scale_inv_k, scale_inv_x),
-                                  scales=grad_scales, accumulator=g_accumulator,
+                                  packed=grad_packed, accumulator=g_accumulator,
                                   **with_prologue)
   qg, qg_t = g_cast.q, g_cast.q_t
   dgrad_descale, wgrad_descale = g_cast.products

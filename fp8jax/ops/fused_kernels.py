@@ -18,6 +18,9 @@ GEMM kernel is a recipe's, `fp8jax.core.blocks`):
   XLA computes in the kernel that writes the tensor where it can), one kernel makes
   the scale, its reciprocal, the GEMMs' descales and the running amax and casts:
   XLA by itself launches a kernel of a few bytes for each scalar.
+* `packed_scalars`: float32 scalars (a layer's scales, where they are slices of a stack
+  of layers' state) packed in one vector that the casts read in place: XLA launches a
+  kernel for every slice a custom call reads, none for slices fused into the vector.
 * `tensor_amax`: max|x| in one Pallas pass.
 * `close_steps`: the end-of-step update of every FP8 role of a model in one
   launch (XLA compiles it into a few kernels per role).
@@ -90,9 +93,13 @@ def stacked_state():
   the step's update, reading the copies, can write the donated state in place. Where
   the state of a layer is a slice of a stack (an `nn.scan` over layers, unrolled or
   not) the update reads the stack itself, and the copies would only cost a slice and a
-  copy per array and layer (the 350m GPT: 286 launches a step). A model that scans or
-  unrolls its layers over stacked FP8 state traces them inside this context, as the
-  demo GPT does (`fp8jax.models.gpt`).
+  copy per array and layer (the 350m GPT: 286 launches a step). Inside this context a
+  layer also hands its casts the scalars of its state they read (scales and descales; under
+  current scaling the fallback scales and running amaxes) packed in one vector
+  (`packed_scalars`), so that no launch slices each out of its stack (the 350m GPT: 624
+  launches a step under delayed scaling, 288 under current; XLA writes every layer's vector
+  of one projection in one kernel). A model that scans or unrolls its layers over stacked
+  FP8 state traces them inside this context, as the demo GPT does (`fp8jax.models.gpt`).
   """
   token = _STACKED.set(True)
   try:
@@ -455,7 +462,8 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     x: [R, C] bf16/f16/f32.
     t_amax: float32[] max|x| of the whole tensor (x may be a shard of it).
     fallback_scale: float32[] the scale kept where t_amax gives none.
-    running_amax: float32[] the step's amax so far.
+    running_amax: float32[] the step's amax so far (it and fallback_scale arrays or elements
+      of `packed_scalars`).
     fmt: the FP8 format.
     margin, power_of_two: the recipe's (see `fp8jax.core.quantize.scale_from_amax`).
     recorded, partner_descales, gathered_for, pass_through: as for `cast_in_chain`.
@@ -472,6 +480,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
 
   def reference(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
                 pass_through, gathered_for=None):
+    fallback_scale, running_amax = element_value(fallback_scale), element_value(running_amax)
     scale = scale_from_amax(t_amax, fmt, margin, fallback=fallback_scale,
                             power_of_two=power_of_two)
     descale = 1.0 / scale
@@ -481,7 +490,13 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     return ScaledCast(q, q.T, amax_max(running_amax, recorded), descale, products,
                       tuple(pass_through))
 
+  # The fallback scale and the running amax travel as their vectors where they are
+  # `VectorElement`s (see `cast_in_chain`).
+  fallback_index, running_index = _element_index(fallback_scale), _element_index(running_amax)
+
   def local_kernel(x, fallback_scale, t_amax, running_amax, recorded, *rest):
+    fallback_scale = _as_element(fallback_scale, fallback_index)
+    running_amax = _as_element(running_amax, running_index)
     rest = list(rest)
     partners = tuple(rest[:n_products]) if partner_descales is not None else None
     out = pallas_kernels.cast_transpose_from_amax(
@@ -497,7 +512,8 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
 
   def kernel(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
              pass_through, gathered_for):
-    operands = [fallback_scale, t_amax, running_amax, recorded, *(partner_descales or ())]
+    operands = [_array_of(fallback_scale), t_amax, _array_of(running_amax), recorded,
+                *(partner_descales or ())]
     operands += [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():
       results = local_kernel(x, *operands)
