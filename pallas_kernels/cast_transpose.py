@@ -461,10 +461,15 @@ def _add_scalar(operands: list, in_specs: list, value, spec: pl.BlockSpec) -> No
   the vector, read in place (no launch slices it out)."""
   if isinstance(value, VectorElement):
     operands.append(value.vector)
-    in_specs.append(pl.BlockSpec((1,), lambda i, j, index=value.index: (index,)))
+    in_specs.append(_element_spec(value.index))
   else:
     operands.append(value if spec.block_shape == () else value.reshape(1))
     in_specs.append(spec)
+
+
+def _element_spec(index: int) -> pl.BlockSpec:
+  """The [1] block of a vector that holds its element `index`, for every program."""
+  return pl.BlockSpec((1,), lambda i, j: (index,))
 
 
 def _read_scalar(ref):
