@@ -118,8 +118,9 @@ def scalar_f32(value, argname: str, element_ok: bool = False) -> jax.Array | Vec
   descales, which the kernel only reads) is checked and kept."""
   if isinstance(value, VectorElement):
     if not element_ok:
-      raise ValueError(f"{argname} cannot be a VectorElement: the kernel writes or reduces "
-                       "it; pass a float32[] array.")
+      raise ValueError(f"{argname} cannot be a VectorElement here: pass a float32[] array "
+                       "(scales, descales and a read-only running amax may be read from a "
+                       "vector).")
     return check_vector_element(value, argname)
   if isinstance(value, (int, float)) and not isinstance(value, bool):
     return jnp.asarray(value, jnp.float32)

@@ -9,6 +9,8 @@ of packed scalars costs no launch for any of the kernels that read it.
 """
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -42,7 +44,7 @@ def check_vector_element(value: VectorElement, argname: str) -> VectorElement:
   shape, dtype = jnp.shape(value.vector), jnp.result_type(value.vector)
   index = value.index
   if (len(shape) != 1 or dtype != jnp.float32 or isinstance(index, bool)
-      or not isinstance(index, int) or not 0 <= index < shape[0]):
+      or not isinstance(index, numbers.Integral) or not 0 <= index < shape[0]):
     raise ValueError(
         f"{argname}: a VectorElement must read element index of a float32 [n] vector with "
         f"0 <= index < n; got a vector of shape {shape} and dtype {dtype} and index "

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fp8jax
 from fp8jax import deviceless
 from fp8jax.lowering.cost import cost
+from fp8jax.ops import fused_kernels
 from test_fp8_budgets import (bf16_dense_step, bf16_stack_loss, fp8_dense_step, fp8_stack_loss,
                                is_amax_reduction)
 
@@ -170,6 +171,33 @@ def test_fsdp_gathers_the_weight_once_in_fp8(data_mesh, recipe):
   assert _link_bytes(fp8) < _link_bytes(bf16), (fp8.table(), bf16.table())
   bound = 1.0 if recipe == DELAYED else 0.70
   assert bf16.compute_time_s / fp8.compute_time_s >= bound, (fp8.table(), bf16.table())
+
+
+def _stacked_fp8_dense_step(x, kernel, g, meta):
+  """`fp8_dense_step` traced as a layer of a stack (`fused_kernels.stacked_state`): its
+  casts read the state's scalars packed in one vector, a rank-1 operand of the weight
+  cast's partitioning rule."""
+  with fused_kernels.stacked_state():
+    return fp8_dense_step(x, kernel, g, meta)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_fsdp_layer_of_a_stack_casts_its_weight_shard_with_packed_scales(data_mesh, recipe):
+  """Inside `stacked_state()` the FSDP step partitions as outside it: one all-gather of
+  the FP8 weight, the same GEMMs, and the same other kernels plus the one that packs the
+  scales (here the state is a whole array, no slice of a stack, so packing saves nothing;
+  in a stack it saves a launch per scale and layer, `test_fp8_budgets`)."""
+  n = 2048
+  x = _spec(data_mesh, (DEVICES * n, n), P("data", None))
+  kernel = _spec(data_mesh, (n, n), P("data", None))
+  meta = _replicated_state(data_mesh, jax.eval_shape(lambda: fp8jax.init_dot_meta(recipe)))
+  plain, stacked = (cost(step, x, kernel, x, meta, target="deviceless")
+                    for step in (fp8_dense_step, _stacked_fp8_dense_step))
+  gathers = _collectives(stacked, "all-gather")
+  assert len(gathers) == 1 and len(_collectives(plain, "all-gather")) == 1, stacked.table()
+  assert stacked.non_gemm_launches == plain.non_gemm_launches + 1, (stacked.table(),
+                                                                     plain.table())
+  assert stacked.gemm_launches == plain.gemm_launches == 3
 
 
 def _hlo(recipe, mesh, n):

@@ -256,7 +256,8 @@ def shard_local_gemm(gemm: Callable) -> Callable:
 
 
 def shard_local_weight_cast(cast: Callable) -> Callable:
-  """`cast(w, *scalars) -> (q, q_t, amax, *scalars_out)` for a weight sharded as FSDP shards it.
+  """`cast(w, *scalars) -> (q, q_t, amax, *scalars_out)` for a weight sharded as FSDP shards it
+  (`scalars`: replicated float32 scalars or vectors).
 
   `amax` is of the kind `call`'s `amax_kind` says: "amax" (one float32) or "tiles"
   (the maxima of the kernel's tiles), made global as `shard_local` makes them, or
@@ -312,7 +313,7 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
     return _results(mesh, kept, len(result_shape) - 3)
 
   @functools.lru_cache(maxsize=None)
-  def partitioned_for(n_scalars: int, n_scalars_out: int, x_rank: int, amax_kind: str):
+  def partitioned_for(ranks: tuple, n_scalars_out: int, x_rank: int, amax_kind: str):
     @custom_partitioning
     def fn(w, x, *scalars):
       del x
@@ -320,8 +321,11 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
 
     # The results' factors are their own: where they are gathered is decided
     # in `partition`, not propagated from the weight's sharding.
+    # A vector operand (packed scales, `fp8jax.ops.fused_kernels.packed_scalars`) is a
+    # factor of its own, replicated in `partition`.
     x_factors = " ".join(f"x{i}" for i in range(x_rank))
-    operands = ", ".join(["r c", x_factors] + [""] * n_scalars)
+    operands = ", ".join(["r c", x_factors]
+                         + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
     results = ", ".join(["p q", "q p", "t" if amax_kind == "tiles" else ""]
                         + [""] * n_scalars_out)
     return define_rules(fn, functools.partial(partition, amax_kind=amax_kind),
@@ -330,7 +334,8 @@ def shard_local_weight_cast(cast: Callable) -> Callable:
   def call(w, x, *scalars, n_scalars_out: int = 0, amax_kind: str = "amax"):
     if amax_kind not in ("amax", "tiles", "scalar"):
       raise ValueError(f"amax_kind={amax_kind!r} must be 'amax', 'tiles' or 'scalar'.")
-    return partitioned_for(len(scalars), n_scalars_out, x.ndim, amax_kind)(w, x, *scalars)
+    ranks = tuple(jnp.ndim(s) for s in scalars)
+    return partitioned_for(ranks, n_scalars_out, x.ndim, amax_kind)(w, x, *scalars)
 
   return call
 

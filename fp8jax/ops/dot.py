@@ -357,7 +357,7 @@ def _packed_state(meta: DotMeta) -> dict:
   Where a layer's state is sliced from a stack of layers (`fused_kernels.stacked_state`),
   each scalar a cast kernel reads would be sliced out by a launch of its own: a custom
   call takes no fused slice (the 350m GPT: 624 launches a step, 26 a layer). Packed, the
-  six slices fuse into the one kernel that writes the vector, and the casts, forward and
+  slices fuse into the one kernel that writes the vector, and the casts, forward and
   backward, read their elements in place. Delayed scaling's casts read each role's scale
   and scale_inv; current scaling's its scale (the fallback) and, but for the output
   gradient's (its cotangent's), its running amax.

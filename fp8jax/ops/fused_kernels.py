@@ -100,6 +100,9 @@ def stacked_state():
   launches a step under delayed scaling, 288 under current; XLA writes every layer's vector
   of one projection in one kernel). A model that scans or unrolls its layers over stacked
   FP8 state traces them inside this context, as the demo GPT does (`fp8jax.models.gpt`).
+
+  Returns:
+    A context manager (`with fused_kernels.stacked_state(): ...`).
   """
   token = _STACKED.set(True)
   try:
@@ -386,7 +389,8 @@ def packed_scalars(scalars) -> tuple:
 
   Returns:
     One `pallas_kernels.VectorElement` per scalar, in order, for `cast_in_chain`'s
-    `scale`, `descale` and `partner_descales`.
+    `scale`, `descale` and `partner_descales`, and `cast_from_amax`'s `fallback_scale`
+    and `running_amax`.
   """
   vector = jnp.concatenate([jnp.ravel(s).astype(jnp.float32) for s in scalars])
   return tuple(VectorElement(vector, i) for i in range(len(scalars)))
@@ -466,7 +470,9 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
       of `packed_scalars`).
     fmt: the FP8 format.
     margin, power_of_two: the recipe's (see `fp8jax.core.quantize.scale_from_amax`).
-    recorded, partner_descales, gathered_for, pass_through: as for `cast_in_chain`.
+    recorded, gathered_for, pass_through: as for `cast_in_chain`.
+    partner_descales: as for `cast_in_chain`, float32[] arrays (the other casts' descales,
+      which their kernels make).
 
   Returns:
     A `ScaledCast`.
