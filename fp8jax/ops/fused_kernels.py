@@ -308,22 +308,14 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds,
                 tuple(pass_through))
 
-  # Scales and descales given as `VectorElement`s travel to the kernel as their vectors
-  # (a partitioning rule takes arrays); their indices are static.
-  scale_index = _element_index(scale)
-  descale_indices = ((_element_index(descale), *map(_element_index, partner_descales))
-                     if with_products else ())
-
   def local_kernel(x, *operands):
     operands = list(operands)
     tensors = tuple(operands.pop(0) for _ in others)
-    scale = _as_element(operands.pop(0), scale_index)
+    scale = operands.pop(0)
     rows = operands.pop(0) if valid_rows is not None else None
     running = None if tile_amaxes else operands.pop(0)
-    descale, partners = None, None
-    if with_products:
-      descale, *partners = (_as_element(operands.pop(0), index) for index in descale_indices)
-      partners = tuple(partners)
+    descale = operands.pop(0) if with_products else None
+    partners = tuple(operands.pop(0) for _ in range(n_products)) if with_products else None
     acc = operands.pop(0) if accumulator is not None else None
     tiles = (operands.pop(0), operands.pop(0)) if reduce is not None else None
     out = pallas_kernels.cast_transpose_amax_in_chain(
@@ -337,28 +329,27 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
            + ("scalar",) * (n_products + (reduce is not None) + seeds)
            + ("vector",) * len(pass_through))
-  # A row limit counts the whole tensor's rows, and each device's shard gets its own
-  # count: it is the scalar operand after the scale.
-  per_shard = shard_local(local_kernel, kinds, tensors=1 + len(others),
-                          row_limit=1 if valid_rows is not None else None)
 
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
              pass_through, others, valid_rows, gathered_for):
     # Copied through as vectors (a partitioning rule gives each output one layout).
-    operands = list(others) + [_array_of(scale)] + (
-        [] if valid_rows is None else [valid_rows]) + (
+    operands = list(others) + [scale] + ([] if valid_rows is None else [valid_rows]) + (
         [] if tile_amaxes else [running_amax]) + (
-        list(map(_array_of, (descale, *partner_descales))) if with_products else []) + (
+        [descale, *partner_descales] if with_products else []) + (
         [accumulator] if accumulator is not None else []) + (
         list(reduce) if reduce is not None else []) + [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():  # per-device code: the kernel on this device's arrays, as is
       results = local_kernel(x, *operands)
-    elif gathered_for is None:
-      results = per_shard(x, *operands)
     else:
-      results = shard_local_weight_cast(local_kernel)(
-          x, gathered_for, *operands, n_scalars_out=len(kinds) - 3,
-          amax_kind=kinds[2])
+      on_leaves, leaves = _on_array_leaves(local_kernel, operands)
+      if gathered_for is None:
+        # A row limit counts the whole tensor's rows, and each device's shard gets its own
+        # count: it is the scalar operand after the scale.
+        results = shard_local(on_leaves, kinds, tensors=1 + len(others),
+                              row_limit=1 if valid_rows is not None else None)(x, *leaves)
+      else:
+        results = shard_local_weight_cast(on_leaves)(
+            x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind=kinds[2])
     q, q_t, new_amax, *rest = results
     products = tuple(rest[:n_products]) if with_products else None
     rest = rest[n_products:]
@@ -396,19 +387,18 @@ def packed_scalars(scalars) -> tuple:
   return tuple(VectorElement(vector, i) for i in range(len(scalars)))
 
 
-def _element_index(value) -> int | None:
-  """The index a `VectorElement` reads, None for a plain array."""
-  return value.index if isinstance(value, VectorElement) else None
+def _on_array_leaves(local_kernel, operands: list):
+  """(`local_kernel` taking the array leaves of `operands` instead, those leaves).
 
+  A partitioning rule takes arrays: a `VectorElement` operand travels to it as its vector
+  and is the element again inside (its index is static, in the tree).
+  """
+  leaves, tree = jax.tree.flatten(operands)
 
-def _array_of(value) -> jax.Array:
-  """The array a scalar operand travels as: a `VectorElement`'s vector, else itself."""
-  return value.vector if isinstance(value, VectorElement) else value
+  def on_leaves(x, *leaves):
+    return local_kernel(x, *jax.tree.unflatten(tree, leaves))
 
-
-def _as_element(array: jax.Array, index: int | None):
-  """A scalar operand again: `VectorElement(array, index)`, or `array` (index None)."""
-  return array if index is None else VectorElement(array, index)
+  return on_leaves, leaves
 
 
 @custom_vmap
@@ -496,13 +486,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     return ScaledCast(q, q.T, amax_max(running_amax, recorded), descale, products,
                       tuple(pass_through))
 
-  # The fallback scale and the running amax travel as their vectors where they are
-  # `VectorElement`s (see `cast_in_chain`).
-  fallback_index, running_index = _element_index(fallback_scale), _element_index(running_amax)
-
   def local_kernel(x, fallback_scale, t_amax, running_amax, recorded, *rest):
-    fallback_scale = _as_element(fallback_scale, fallback_index)
-    running_amax = _as_element(running_amax, running_index)
     rest = list(rest)
     partners = tuple(rest[:n_products]) if partner_descales is not None else None
     out = pallas_kernels.cast_transpose_from_amax(
@@ -514,20 +498,20 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
   # Every scalar output comes from replicated operands alone: nothing to reduce.
   kinds = ("same", "transposed", "scalar", "scalar") + ("scalar",) * n_products + (
       "vector",) * len(pass_through)
-  per_shard = shard_local(local_kernel, kinds)
 
   def kernel(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
              pass_through, gathered_for):
-    operands = [_array_of(fallback_scale), t_amax, _array_of(running_amax), recorded,
-                *(partner_descales or ())]
+    operands = [fallback_scale, t_amax, running_amax, recorded, *(partner_descales or ())]
     operands += [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():
       results = local_kernel(x, *operands)
-    elif gathered_for is None:
-      results = per_shard(x, *operands)
     else:
-      results = shard_local_weight_cast(local_kernel)(
-          x, gathered_for, *operands, n_scalars_out=len(kinds) - 3, amax_kind="scalar")
+      on_leaves, leaves = _on_array_leaves(local_kernel, operands)
+      if gathered_for is None:
+        results = shard_local(on_leaves, kinds)(x, *leaves)
+      else:
+        results = shard_local_weight_cast(on_leaves)(
+            x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind="scalar")
     q, q_t, new_amax, descale, *rest = results
     products = tuple(rest[:n_products]) if partner_descales is not None else None
     passed = tuple(c.reshape(shape) for c, shape in zip(rest[n_products:], shapes))
