@@ -2,7 +2,8 @@
 
 The cast-transpose kernel (`pallas_kernels.cast_transpose`) can take the tensor it
 casts as the output of an elementwise function of tensors it reads (`Prologue`): the
-GELU of a GEMM's output, or the GELU's backward of an output gradient. Then the
+GELU of a GEMM's output, the GELU's backward of an output gradient, or the RMSNorm of
+a projection's input (its rows' reciprocal RMS and its columns' gains given). Then the
 function's result is never written in bf16 for the cast to read back: one pass over the
 inputs writes the FP8 copies and the amax of the result. The functions here are that
 math, in float32, written once for the kernels and for fp8jax's jnp ops
@@ -53,7 +54,8 @@ class Prologue:
   Attributes:
     fn: float32 tiles -> the float32 tile to cast: `fn(x)` with `inputs` 0, else
       `fn(x, *others)`. `fn` of zeros must be 0 (a masked edge tile reads zeros).
-    inputs: how many more tensors of x's shape it reads (0 or 1).
+    inputs: how many more tensors it reads (0, 1 or 2), each of x's shape [R, C] or
+      broadcast along one axis: [R, 1] (a value per row) or [1, C] (per column).
   """
 
   fn: Callable[..., jax.Array]
@@ -62,11 +64,19 @@ class Prologue:
   def __post_init__(self):
     if not callable(self.fn):
       raise TypeError(f"Prologue.fn={self.fn!r} must be a function of float32 tiles.")
-    if self.inputs not in (0, 1):
-      raise ValueError(f"Prologue.inputs={self.inputs!r} must be 0 or 1.")
+    if self.inputs not in (0, 1, 2):
+      raise ValueError(f"Prologue.inputs={self.inputs!r} must be 0, 1 or 2.")
 
 
-# The prologues fp8jax's ops use: the GELU before a projection's cast, and its backward
-# before the cast of the projection's output gradient before it.
+def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:
+  """RMSNorm's output `(x r) g` in float32, from x [R, C], each row's r = 1 / rms [R, 1] and
+  the gains g [1, C] (float32), in the order `fp8jax.ops.rms_norm` multiplies them."""
+  return x * reciprocal_rms * gain
+
+
+# The prologues fp8jax's ops use: the GELU before a projection's cast, its backward
+# before the cast of the projection's output gradient before it, and an RMSNorm before
+# the cast of the projection it feeds.
 GELU = Prologue(gelu_tanh)
 GELU_BACKWARD = Prologue(gelu_tanh_backward, inputs=1)
+RMS_NORM = Prologue(rms_normalize, inputs=2)

@@ -65,9 +65,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.activations import Prologue
-from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
-                                                  check_products, check_x, row_limit,
-                                                  scalar_f32)
+from pallas_kernels.cast_transpose_checks import (broadcast_kind, check_block_sizes,
+                                                  check_flag, check_fp8, check_products,
+                                                  check_x, row_limit, scalar_f32)
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
                                                   tile_count, tile_mask, tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
@@ -146,7 +146,8 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
             interpret: bool):
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
-  Refs: x, [prologue input x `cast.prologue.inputs`], [rows], [scale], [given, recorded],
+  Refs: x, [prologue input x `cast.prologue.inputs`: x's tile, or its rows' [block_rows, 1]
+  or its columns' [1, block_cols] values], [rows], [scale], [given, recorded],
   [descale], [partner x `partners`], [amax_in],
   [accumulator], [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t],
   [descale_out], [product x `partners`], amax_out, [reduced], [seed x `seeds`],
@@ -223,8 +224,11 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
   mask = tile_mask(tiling)
 
   def load(ref):
-    # Out-of-range elements read as 0, the identity of the amax below.
-    tile = ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
+    # Out-of-range elements read as 0, the identity of the amax below. A prologue's row
+    # or column values ([block_rows, 1], [1, block_cols]) are masked on their own axis.
+    block_mask = (mask if ref.shape == (tiling.block_rows, tiling.block_cols)
+                  else tile_mask(tiling, ref.shape))
+    tile = ref[...] if block_mask is None else plgpu.load(ref, mask=block_mask, other=0)
     return tile.astype(jnp.float32)  # exact for bf16 / f16 inputs
 
   x = load(x_ref)
@@ -357,7 +361,8 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   amax_axes = varying_axes(x, amax_in, accumulator, valid_rows)
   if amax.accumulate == "in_place" and amax_in is not None:
     amax_in = vary(amax_in, amax_axes)
-  operands, in_specs = [x, *others], [tile_spec] * (1 + len(others))
+  operands = [x, *others]
+  in_specs = [tile_spec] + [_prologue_input_spec(t, x, block) for t in others]
   if cast is not None and cast.row_limit:
     operands.append(valid_rows.reshape(1))
     in_specs.append(scalar_spec)
@@ -455,6 +460,17 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   return q, q_t, amax_out, products, reduced, seeds, copies, descale_out
 
 
+def _prologue_input_spec(t, x, block) -> pl.BlockSpec:
+  """The block of a prologue input each program reads: x's tile, or that tile's rows'
+  values ([R, 1] inputs) or its columns' ([1, C])."""
+  kind = broadcast_kind(t.shape, x.shape)
+  if kind == "rows":
+    return pl.BlockSpec((block[0], 1), lambda i, j: (i, 0))
+  if kind == "columns":
+    return pl.BlockSpec((1, block[1]), lambda i, j: (0, j))
+  return pl.BlockSpec(block, lambda i, j: (i, j))
+
+
 def _add_scalar(operands: list, in_specs: list, value, spec: pl.BlockSpec) -> None:
   """Appends a float32 scalar operand: an array with `spec` ([1] blocks take it as a [1]
   array, a free reshape in XLA), or a `VectorElement`, whose [1] block is its element of
@@ -483,7 +499,8 @@ def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, til
            block_sizes, interpret):
   """One jitted launch of the kernel over all tiles of x (`_call`), for this module's
   public functions and those of `cast_transpose_chain` and `cast_transpose_current`.
-  `others`: the further tensors `cast.prologue` reads, each of x's shape; `valid_rows`:
+  `others`: the further tensors `cast.prologue` reads, each of x's shape, [R, 1] or
+  [1, C]; `valid_rows`:
   the rows in use (`cast.row_limit`)."""
   return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given,
                others, valid_rows, cast=cast, amax=amax, block_sizes=block_sizes,

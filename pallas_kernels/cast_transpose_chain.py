@@ -94,7 +94,8 @@ def cast_transpose_amax_in_chain(
     prologue: cast `prologue.fn(x, *prologue_inputs)` (float32, elementwise) instead
       of x, its amax included (`pallas_kernels.activations`): the function's result is
       made in the kernel's registers and never written in x's dtype.
-    prologue_inputs: the further tensors the prologue reads, each of x's shape.
+    prologue_inputs: the further tensors the prologue reads, each of x's shape, [R, 1] or
+      [1, C].
     valid_rows: as for `cast_transpose_amax` (rows past it read as 0, after the prologue).
 
   Returns:

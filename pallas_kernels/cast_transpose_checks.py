@@ -158,7 +158,8 @@ def check_block_sizes(block_sizes) -> None:
 
 
 def check_prologue(prologue, prologue_inputs, x) -> tuple:
-  """The prologue's further tensors as a tuple, each of x's shape and an input dtype."""
+  """The prologue's further tensors as a tuple, each of x's shape [R, C], or one row's
+  values [R, 1] or one column's [1, C] (`broadcast_kind`), in an input dtype."""
   from_inputs = tuple(prologue_inputs)
   wanted = 0 if prologue is None else prologue.inputs
   if len(from_inputs) != wanted:
@@ -166,8 +167,25 @@ def check_prologue(prologue, prologue_inputs, x) -> tuple:
                      f"{'(none)' if prologue is None else prologue.fn.__name__} reads {wanted} "
                      "besides x.")
   for i, t in enumerate(from_inputs):
-    if jnp.shape(t) != jnp.shape(x) or jnp.result_type(t) not in INPUT_DTYPES:
+    if broadcast_kind(jnp.shape(t), jnp.shape(x)) is None or (
+        jnp.result_type(t) not in INPUT_DTYPES):
       raise ValueError(f"prologue_inputs[{i}] has shape {jnp.shape(t)} and dtype "
-                       f"{jnp.result_type(t)}; it must have x's shape {jnp.shape(x)} and a "
-                       f"dtype of {[d.name for d in INPUT_DTYPES]}.")
+                       f"{jnp.result_type(t)}; it must have x's shape {jnp.shape(x)} (or "
+                       f"[R, 1], a value per row, or [1, C], one per column) and a dtype of "
+                       f"{[d.name for d in INPUT_DTYPES]}.")
   return from_inputs
+
+
+def broadcast_kind(shape: tuple, x_shape: tuple) -> str | None:
+  """How a prologue input of `shape` covers a 2-D x of `x_shape`: "tile" (x's shape),
+  "rows" ([R, 1], one value per row), "columns" ([1, C]), or None (none of these)."""
+  shape, x_shape = tuple(shape), tuple(x_shape)
+  if shape == x_shape:
+    return "tile"
+  if len(x_shape) != 2:
+    return None
+  if shape == (x_shape[0], 1):
+    return "rows"
+  if shape == (1, x_shape[1]):
+    return "columns"
+  return None

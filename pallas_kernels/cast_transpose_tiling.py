@@ -107,20 +107,25 @@ def tiling_for(shape: tuple[int, int], block_sizes: CastTransposeBlockSizes) -> 
                  block_cols=_fit(block_sizes.block_cols, cols))
 
 
-def tile_mask(tiling: Tiling):
-  """Boolean [block_rows, block_cols] of in-range elements, or None when all are."""
+def tile_mask(tiling: Tiling, block: tuple | None = None):
+  """Boolean mask of the in-range elements of a program's block, or None when all are.
+
+  `block`: the block's shape, [block_rows, block_cols] (the default), or a row's values
+  [block_rows, 1] or a column's [1, block_cols] (masked on their own axis only).
+  """
+  block = block or (tiling.block_rows, tiling.block_cols)
   mask = None
-  if tiling.row_tail:
+  if tiling.row_tail and block[0] > 1:
     rows = (pl.program_id(0) * tiling.block_rows
             + lax.broadcasted_iota(jnp.int32, (tiling.block_rows, 1), 0))
     mask = rows < tiling.rows
-  if tiling.col_tail:
+  if tiling.col_tail and block[1] > 1:
     cols = (pl.program_id(1) * tiling.block_cols
             + lax.broadcasted_iota(jnp.int32, (1, tiling.block_cols), 1))
     col_mask = cols < tiling.cols
     mask = col_mask if mask is None else jnp.logical_and(mask, col_mask)
   if mask is not None:
-    mask = jnp.broadcast_to(mask, (tiling.block_rows, tiling.block_cols))
+    mask = jnp.broadcast_to(mask, block)
   return mask
 
 

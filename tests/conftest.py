@@ -159,6 +159,20 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture
+def interpreted_kernels(monkeypatch):
+  """fp8jax's fused kernels chosen on CPU too, run by the Pallas interpreter."""
+  import functools
+
+  import pallas_kernels
+  from fp8jax.ops import fused_kernels
+  for name in ("cast_transpose_amax_in_chain", "cast_transpose_from_amax", "close_steps",
+               "running_amax"):
+    monkeypatch.setattr(pallas_kernels, name,
+                        functools.partial(getattr(pallas_kernels, name), interpret=True))
+  monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
+
+
+@pytest.fixture
 def hopper_device():
   """The first Hopper (sm_90) GPU; skips the test where there is none.
 

@@ -227,16 +227,6 @@ def test_bad_chain_arguments_raise_errors_that_name_them(kwargs, message):
 # ----- fp8_dense on the kernel path, interpreted, against the jnp path ---------------------
 
 
-@pytest.fixture
-def interpreted_kernels(monkeypatch):
-  """fp8jax's fused kernels chosen on CPU too, run by the Pallas interpreter."""
-  for name in ("cast_transpose_amax_in_chain", "cast_transpose_from_amax", "close_steps",
-               "running_amax"):
-    monkeypatch.setattr(pallas_kernels, name,
-                        functools.partial(getattr(pallas_kernels, name), interpret=True))
-  monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
-
-
 def _two_layer_steps(recipe, steps=3, stacked=False):
   """`steps` jitted train steps of two `fp8_dense` layers, the second used twice with
   one threaded meta (its running amaxes carry from one use to the next). Returns every

@@ -9,8 +9,6 @@ forward and backward, and in the state to the last bit of an amax. The test mark
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import zlib
 
@@ -21,13 +19,12 @@ import numpy as np
 import pytest
 
 from bitwise import assert_bitwise
+from fp8_steps import exact_steps, warm_dot_meta
 import fp8jax
-import pallas_kernels
 from fp8jax import deviceless
 from fp8jax.flax.linen import Fp8Dense
 from fp8jax.flax.linen_mlp import Fp8Mlp
 from fp8jax.lowering.cost import cost
-from fp8jax.ops import fused_kernels
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.mlp import fp8_mlp
 from fp8_reference import FORMAT_TABLE, quantize_reference
@@ -106,19 +103,12 @@ def _problem(dtype, seed=0):
   return x, w_in, w_out, target
 
 
-def _warm(recipe, scales):
-  """A meta whose delayed scales are set (as after warm-up), one per role."""
-  meta = fp8jax.init_dot_meta(recipe)
-  return dataclasses.replace(meta, **{role: getattr(meta, role).with_scale(s)
-                                      for role, s in zip(("x", "kernel", "grad"), scales)})
-
-
 def _steps(fn, recipe, dtype, steps=2):
   """`steps` jitted value_and_grad steps of loss = sum(y * target) through `fn`: the loss,
   the gradients of x and both kernels, and the FP8 state, of every step."""
   x, w_in, w_out, target = _problem(dtype)
-  state = {"in": _warm(recipe, (60.0, 200.0, 3000.0)),
-           "out": _warm(recipe, (100.0, 300.0, 2000.0))}
+  state = {"in": warm_dot_meta(recipe, (60.0, 200.0, 3000.0)),
+           "out": warm_dot_meta(recipe, (100.0, 300.0, 2000.0))}
 
   def loss(params, state, factor):
     y, meta_in, meta_out = fn(params["x"] * factor.astype(dtype), params["in"],
@@ -126,14 +116,7 @@ def _steps(fn, recipe, dtype, steps=2):
     return jnp.sum(y.astype(jnp.float32) * target), {"in": meta_in, "out": meta_out}
 
   params = {"in": w_in, "out": w_out, "x": x}
-  factor = jnp.float32(1)
-  step = jax.jit(fp8jax.value_and_grad(loss)).lower(params, state, factor).compile(
-      compiler_options={"xla_allow_excess_precision": False})
-  trajectory = []
-  for i in range(steps):
-    loss_value, grads, state = step(params, state, jnp.float32(i + 1))
-    trajectory.append((loss_value, grads, state))
-  return trajectory
+  return exact_steps(loss, params, state, steps)
 
 
 def _composition(x, w_in, w_out, meta_in, meta_out):
@@ -153,15 +136,6 @@ def test_fp8_mlp_is_bitwise_the_composition_in_float32(recipe):
   # Every role recorded an amax, the output gradients' in the backward pass.
   for meta in jax.tree.leaves(state, is_leaf=fp8jax.core.meta.is_meta):
     assert float(meta.amax_history[0]) > 0
-
-
-@pytest.fixture
-def interpreted_kernels(monkeypatch):
-  """fp8jax's fused kernels chosen on CPU too, run by the Pallas interpreter."""
-  for name in ("cast_transpose_amax_in_chain", "close_steps"):
-    monkeypatch.setattr(pallas_kernels, name,
-                        functools.partial(getattr(pallas_kernels, name), interpret=True))
-  monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))
 
 
 def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request):

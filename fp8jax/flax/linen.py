@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from fp8jax.ops.attention import attention, fp8_attention
 from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.dot import fp8_dot_general
+from fp8jax.ops.norm_dense import fp8_rms_norm_dense
 from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.mesh.explicit import with_out_sharding
 from fp8jax.core.calibration import training_recipe
@@ -145,8 +146,13 @@ class Fp8Dense(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
-    """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dense`'s)."""
+  def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None, *,
+               norm_scale: jax.Array | None = None, norm_eps: float = 1e-6,
+               norm_save_fp8: bool = False) -> jax.Array:
+    """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dense`'s).
+    `norm_scale`: the gain [K] of an RMSNorm to apply to the inputs first, made by the
+    FP8 cast (`fp8jax.fp8_rms_norm_dense`); `norm_eps`, `norm_save_fp8`: its eps and
+    `save_fp8`."""
     x = inputs
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
                         self.param_dtype)
@@ -155,8 +161,14 @@ class Fp8Dense(nn.Module):
     x, promoted, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     kernel = master_kernel(kernel, promoted)
     variable = dot_meta_variable(self, self.recipe)
-    y, new_meta = fp8_dense(x, kernel, bias, read_meta(self, variable),
-                            x_amax=_amax_of_cast(x_amax, inputs, x))
+    if norm_scale is not None:
+      _refuse_amax_with_norm(x_amax)
+      y, new_meta = fp8_rms_norm_dense(x, norm_scale, kernel, read_meta(self, variable),
+                                       eps=norm_eps, save_fp8=norm_save_fp8)
+      y = y if bias is None else y + bias.astype(y.dtype)
+    else:
+      y, new_meta = fp8_dense(x, kernel, bias, read_meta(self, variable),
+                              x_amax=_amax_of_cast(x_amax, inputs, x))
     store_dot_meta(self, variable, new_meta)
     return y
 
@@ -178,11 +190,20 @@ class Fp8DenseGeneral(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
-    """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dot_general`'s)."""
+  def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None, *,
+               norm_scale: jax.Array | None = None, norm_eps: float = 1e-6,
+               norm_save_fp8: bool = False) -> jax.Array:
+    """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dot_general`'s).
+    `norm_scale`: the gain of an RMSNorm over x's last axis (the one `axis` contracts) to
+    apply first, made by the FP8 cast (`fp8jax.fp8_rms_norm_dense`); `norm_eps`,
+    `norm_save_fp8`: its eps and `save_fp8`."""
     x = inputs
     features = _as_tuple(self.features)
     axis = tuple(sorted(a % x.ndim for a in _as_tuple(self.axis)))
+    if norm_scale is not None and axis != (x.ndim - 1,):
+      raise ValueError(f"norm_scale normalizes x's last axis, the one the projection "
+                       f"contracts; this layer contracts axis={self.axis!r} of x {x.shape}. "
+                       "Apply fp8jax.rms_norm to the inputs instead.")
     kernel_shape = tuple(x.shape[a] for a in axis) + features
     kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
     bias = (self.param("bias", self.bias_init, features, self.param_dtype)
@@ -191,12 +212,23 @@ class Fp8DenseGeneral(nn.Module):
     kernel = master_kernel(kernel, promoted)
     variable = dot_meta_variable(self, self.recipe)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
-    y, new_meta = fp8_dot_general(x, kernel, read_meta(self, variable), dims,
-                                  x_amax=_amax_of_cast(x_amax, inputs, x))
+    if norm_scale is not None:
+      _refuse_amax_with_norm(x_amax)
+      y, new_meta = fp8_rms_norm_dense(x, norm_scale, kernel, read_meta(self, variable),
+                                       eps=norm_eps, save_fp8=norm_save_fp8)
+    else:
+      y, new_meta = fp8_dot_general(x, kernel, read_meta(self, variable), dims,
+                                    x_amax=_amax_of_cast(x_amax, inputs, x))
     store_dot_meta(self, variable, new_meta)
     if bias is not None:
       y = y + bias.astype(y.dtype)
     return y
+
+
+def _refuse_amax_with_norm(x_amax) -> None:
+  if x_amax is not None:
+    raise ValueError("x_amax is max|inputs|, but with norm_scale the projection casts the "
+                     "normalized inputs, whose amax its cast measures: pass one or the other.")
 
 
 def _amax_of_cast(x_amax, inputs, x):

@@ -15,8 +15,9 @@ on its own shard:
 
 `shard_local` gives the cast and amax kernels the rule they obey:
 
-* the kernel reads one 2-D tensor `t` (any sharding of its two axes) and
-  small replicated operands (FP8 scales, running amaxes, descales, an earlier
+* the kernel reads one 2-D tensor `t` (any sharding of its two axes), perhaps
+  more tensors sharded alike (or a value per row [R, 1], split as `t`'s rows, or
+  per column [1, C], as its columns), and small replicated operands (FP8 scales, running amaxes, descales, an earlier
   kernel's tile maxima);
 * each device runs the kernel on its own shard of `t`: its tensor outputs are
   `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
@@ -49,6 +50,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fp8jax.core.quantize import max_by_bits
+from pallas_kernels.cast_transpose_checks import broadcast_kind
 
 OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
 
@@ -58,8 +60,9 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
   """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
 
   Args:
-    kernel: a function of a 2-D array (of `tensors` 2-D arrays of one shape, sharded
-      alike: `kernel(t, *others, *scalars)`) and replicated float32 operands (scalars,
+    kernel: a function of a 2-D array (of `tensors` 2-D arrays sharded alike, each of
+      t's shape, [R, 1] or [1, C]: `kernel(t, *others, *scalars)`) and replicated float32
+      operands (scalars,
       or vectors such as an earlier kernel's tile maxima) returning a tuple, output i
       of kind `outputs[i]` (see the module docstring).
     outputs: one of OUTPUT_KINDS per output.
@@ -75,7 +78,7 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
     raise ValueError(f"outputs={outputs!r}: {unknown} are not among {OUTPUT_KINDS}.")
 
   @functools.lru_cache(maxsize=None)
-  def partitioned_for(ranks: tuple):
+  def partitioned_for(ranks: tuple, broadcasts: tuple):
     @custom_partitioning
     def partitioned(*operands):
       return tuple(kernel(*operands))
@@ -94,7 +97,9 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
         return global_amaxes(kernel(*operands), outputs, split_over, result_shape)
 
       replicated = NamedSharding(mesh, PartitionSpec())
-      arg_shardings = ((NamedSharding(mesh, t_spec),) * tensors
+      arg_shardings = ((NamedSharding(mesh, t_spec),)
+                       + tuple(NamedSharding(mesh, _broadcast_spec(t_spec, kind))
+                               for kind in broadcasts)
                        + (replicated,) * len(ranks))
       return mesh, lower_fn, _result_shardings(mesh, t_spec, outputs), arg_shardings
 
@@ -102,12 +107,14 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
       return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0]), outputs)
 
     return define_rules(partitioned, partition, infer_sharding_from_operands,
-                        _sharding_rule(ranks, outputs, tensors))
+                        _sharding_rule(ranks, outputs, broadcasts))
 
   @functools.wraps(kernel)
   def call(*operands):
     scalars = operands[tensors:]
-    return partitioned_for(tuple(jnp.ndim(s) for s in scalars))(*operands)
+    broadcasts = tuple(_broadcast_kind(jnp.shape(t), jnp.shape(operands[0]))
+                       for t in operands[1:tensors])
+    return partitioned_for(tuple(jnp.ndim(s) for s in scalars), broadcasts)(*operands)
 
   return call
 
@@ -147,12 +154,28 @@ def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
   return vmappable
 
 
-def _sharding_rule(ranks: tuple, outputs, tensors: int = 1) -> str:
-  """Shardy's einsum-like rule: t (and each tensor sharded alike) is `r c`, scalars
-  (operands and outputs) are rank 0, each vector operand and output a factor of its own
-  (replicated in `partition`)."""
+def _broadcast_kind(shape: tuple, t_shape: tuple) -> str:
+  """"tile" for a further tensor of t's shape, "rows" for [R, 1], "columns" for [1, C]."""
+  kind = broadcast_kind(shape, t_shape)
+  if kind is None:
+    raise ValueError(f"a further tensor of shape {tuple(shape)} neither has t's shape "
+                     f"{tuple(t_shape)} nor is one value per row [R, 1] or column [1, C].")
+  return kind
+
+
+def _broadcast_spec(t_spec: PartitionSpec, kind: str) -> PartitionSpec:
+  """A further tensor's spec: t's, or its rows' or columns' entry alone."""
+  return {"tile": t_spec, "rows": PartitionSpec(t_spec[0], None),
+          "columns": PartitionSpec(None, t_spec[1])}[kind]
+
+
+def _sharding_rule(ranks: tuple, outputs, broadcasts: tuple = ()) -> str:
+  """Shardy's einsum-like rule: t (and each tensor sharded alike) is `r c` (a further
+  tensor's axis of length 1 a factor of its own), scalars (operands and outputs) are
+  rank 0, each vector operand and output a factor of its own (replicated in `partition`)."""
   layout = {"same": "r c", "transposed": "c r", "amax": "", "scalar": ""}
-  operands = ", ".join(["r c"] * tensors
+  further = {"tile": "r c", "rows": "r o{i}", "columns": "o{i} c"}
+  operands = ", ".join(["r c"] + [further[kind].format(i=i) for i, kind in enumerate(broadcasts)]
                        + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
   results = ", ".join(layout.get(kind, f"w{i}") for i, kind in enumerate(outputs))
   return f"{operands} -> {results}"

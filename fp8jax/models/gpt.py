@@ -331,9 +331,15 @@ class RMSNorm(nn.Module):
   save_fp8: bool = False
   return_amax: bool = False
 
+  # The FP8 projection after the norm normalizes (its cast does, `fp8jax.ops.norm_dense`):
+  # the call returns the input (x + delta with delta) and the gain, and normalizes nothing.
+  in_projection: bool = False
+
   @nn.compact
   def __call__(self, x: jax.Array, delta: jax.Array | None = None):
     scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
+    if self.in_projection:
+      return (x if delta is None else x + delta), scale
     options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
                    return_amax=self.return_amax)
     if delta is None:
@@ -358,9 +364,22 @@ def _dense(recipe: Recipe | None, features: int, *, std: float, name: str):
   return Fp8Dense(recipe=recipe, **kwargs)
 
 
-def _project(layer, x: jax.Array, x_amax: jax.Array | None) -> jax.Array:
-  """`layer(x)`, handing the FP8 layer max|x| where its producer wrote it."""
+def _project(layer, x: jax.Array, x_amax: jax.Array | None, norm: dict | None = None):
+  """`layer(x)`, handing the FP8 layer max|x| where its producer wrote it, or the norm its
+  cast applies to x (`norm`: the FP8 layers' `norm_scale`, `norm_eps`, `norm_save_fp8`)."""
+  if norm is not None:
+    return layer(x, **norm)
   return layer(x) if x_amax is None else layer(x, x_amax=x_amax)
+
+
+def _norm_in_cast(config: GptConfig, recipe: Recipe | None, projection: str) -> bool:
+  """Whether the norm before `projection` ("qkv", or "up" of the fused MLP) is made by its
+  FP8 cast (`fp8jax.ops.norm_dense`): where it reads its input in FP8 under delayed
+  scaling. Saves the norm's bf16 output and the pass writing it (both norms of the 350m
+  step: 48 launches and 0.7 ms, deviceless H100)."""
+  recipe = _projection_recipe(config, recipe, projection)
+  return recipe is not None and not (recipe.scales_from_tensor or recipe.per_operand
+                                     or recipe.high_precision)
 
 
 def _writes_amax(recipe: Recipe | None) -> bool:
@@ -400,15 +419,17 @@ class CausalSelfAttention(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
-    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `x_amax`: max|x| if known."""
+  def __call__(self, x: jax.Array, x_amax: jax.Array | None = None,
+               norm: dict | None = None) -> jax.Array:
+    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `x_amax`: max|x| if known;
+    `norm`: the norm the qkv projection's cast applies to x (`_project`)."""
     c, recipe = self.config, self.recipe
     # One projection reads h once (in FP8: one cast of h and of the kernel, one GEMM).
     # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
     # split over a tensor-parallel axis stay whole blocks of the flattened GEMM.
     qkv = _project(_dense_general(_projection_recipe(c, recipe, "qkv"),
                                   (c.n_heads, 3, c.head_dim), std=c.init_std, name="qkv"),
-                   x, x_amax)
+                   x, x_amax, norm)
     q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
@@ -457,27 +478,54 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-    c = self.config
+    c, recipe = self.config, self.recipe
     # Under current scaling each norm hands the projections after it its output's amax.
-    amax = _writes_amax(self.recipe)
-    normed = RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
-                     name="attention_norm")(x)
-    attended = CausalSelfAttention(c, self.recipe, name="attention")(
-        *(normed if amax else (normed,)))
-    x, *h = RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
-                    name="mlp_norm")(x, attended)
+    amax = _writes_amax(recipe)
+    # Both MLP projections and the GELU as one op, the GELU done by the FP8 casts.
+    fused_mlp = not c.experts and not amax and None not in {
+        _projection_recipe(c, recipe, name) for name in ("up", "down")}
+    norm = lambda name, in_cast: RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
+                                         in_projection=in_cast, name=name)
+    _, h, h_amax, fused = _apply_norm(norm("attention_norm", _norm_in_cast(c, recipe, "qkv")),
+                                      c, x)
+    attended = CausalSelfAttention(c, recipe, name="attention")(h, h_amax, fused)
+    x, h, h_amax, fused = _apply_norm(
+        norm("mlp_norm", fused_mlp and _norm_in_cast(c, recipe, "up")), c, x, attended)
     if c.experts:  # the router and the expert GEMMs read h itself (no amax handed over)
-      return x + gpt_moe.moe_mlp(c, self.recipe, dtype=ACTIVATION_DTYPE,
+      return x + gpt_moe.moe_mlp(c, recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
-                                 name="mlp")(h[0]), None
-    mlp_recipes = {_projection_recipe(c, self.recipe, name) for name in ("up", "down")}
-    if None in mlp_recipes or amax:  # a projection in bf16: no fused FP8 MLP
-      return x + Mlp(c, self.recipe, name="mlp")(*h), None
-    # Both projections and the GELU as one op, the GELU done by the FP8 casts.
-    return x + Fp8Mlp(c.d_ff, recipe=self.recipe, dtype=ACTIVATION_DTYPE,
-                      param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(c.init_std),
-                      output_kernel_init=nn.initializers.normal(_residual_std(c)),
-                      save_fp8=c.fp8_saved, name="mlp")(h[0]), None
+                                 name="mlp")(h), None
+    if not fused_mlp:
+      return x + Mlp(c, recipe, name="mlp")(h, h_amax), None
+    return x + _fp8_mlp(c, recipe, h, **(fused or {})), None
+
+
+def _apply_norm(norm: RMSNorm, config: GptConfig, x: jax.Array, delta: jax.Array | None = None):
+  """A block's norm of x (x + delta with delta) for the projection after it.
+
+  Returns:
+    (s, h, h_amax, fused): the residual stream (x + delta, or x), the projection's input,
+    max|h| where the norm hands it over (else None), and the norm the projection's cast
+    applies to h (its `norm_*` arguments, `norm.in_projection`; else None: h is normalized).
+  """
+  if norm.in_projection:
+    s, scale = norm(x, delta)
+    return s, s, None, dict(norm_scale=scale, norm_eps=config.norm_eps,
+                            norm_save_fp8=config.fp8_saved)
+  out = norm(x, delta)
+  out = out if isinstance(out, tuple) else (out,)
+  s, h, *h_amax = out if delta is not None else (x, *out)
+  return s, h, (h_amax[0] if h_amax else None), None
+
+
+def _fp8_mlp(config: GptConfig, recipe: Recipe, h: jax.Array, **norm) -> jax.Array:
+  """The block's MLP as one op (`Fp8Mlp`, named "mlp"), the GELU done by the casts; `norm`:
+  the norm its up projection's cast applies to h (`Fp8Mlp`'s norm_* arguments)."""
+  c = config
+  return Fp8Mlp(c.d_ff, recipe=recipe, dtype=ACTIVATION_DTYPE,
+                param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(c.init_std),
+                output_kernel_init=nn.initializers.normal(_residual_std(c)),
+                save_fp8=c.fp8_saved, name="mlp")(h, **norm)
 
 
 class TiedOutput(nn.Module):

@@ -374,18 +374,21 @@ def _packed_state(meta: DotMeta) -> dict:
   return {role: {field: next(elements) for field in fields[role]} for role in _ROLES}
 
 
-def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None):
+def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
+               x_prologue_inputs=()):
   """The matrix path's forward: (out, new_meta, residuals).
 
-  `x_prologue`: the GEMM's input is `x_prologue.fn(x)`, made by x's cast
-  (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`).
+  `x_prologue`: the GEMM's input is `x_prologue.fn(x, *x_prologue_inputs)`, made by x's
+  cast (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`,
+  `fp8jax.ops.norm_dense`), each input of the folded x's shape [M, K], or [M, 1] or [1, K].
   """
   if x_prologue is not None and (meta.recipe.scales_from_tensor or reused is not None):
     raise ValueError("x_prologue needs delayed scaling and a kernel quantized in this call "
                      "(no reused FP8 weight): only that cast runs a prologue. Apply the "
                      "function to x before the dot instead.")
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
-  with_prologue = {} if x_prologue is None else dict(prologue=x_prologue)
+  with_prologue = {} if x_prologue is None else dict(prologue=x_prologue,
+                                                     prologue_inputs=tuple(x_prologue_inputs))
   # Delayed scaling's running amaxes enter the step as its parameters or zeros:
   # buffers a cast kernel cannot max into in place (XLA would copy each first, a
   # launch for 4 bytes). So the layer's casts form a chain instead

@@ -58,6 +58,7 @@ from jax.custom_batching import custom_vmap
 
 import pallas_kernels
 from pallas_kernels.activations import Prologue
+from pallas_kernels.cast_transpose_checks import broadcast_kind
 from pallas_kernels.vector_element import VectorElement, element_value
 from fp8jax.core.formats import Fp8Format
 from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_from_amax
@@ -243,9 +244,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   copying each one there after the update.
 
   A cast can take its tensor as an elementwise function of x (and of tensors of x's
-  shape) that it computes itself (`prologue`, `pallas_kernels.activations`): the
-  GELU before a projection, or its backward before the previous projection's output
-  gradient. The function's result is cast and its amax recorded, in float32, and never
+  shape, or of a value per row or column) that it computes itself (`prologue`,
+  `pallas_kernels.activations`): the GELU before a projection, its backward before the
+  previous projection's output gradient, or the RMSNorm before a projection. The function's result is cast and its amax recorded, in float32, and never
   written in bf16 for a cast to read again.
 
   Elsewhere (the jnp form) the same values: the tile maxima are a vector of
@@ -279,11 +280,11 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   shapes = tuple(jnp.shape(a) for a in pass_through)
   others = tuple(prologue_inputs)
   if len(others) != (prologue.inputs if prologue is not None else 0) or any(
-      jnp.shape(t) != jnp.shape(x) for t in others):
+      broadcast_kind(jnp.shape(t), jnp.shape(x)) is None for t in others):
     raise ValueError(f"prologue_inputs: got {len(others)} of shapes "
                      f"{[jnp.shape(t) for t in others]}; the prologue takes "
                      f"{prologue.inputs if prologue is not None else 0}, each of x's shape "
-                     f"{jnp.shape(x)}.")
+                     f"{jnp.shape(x)}, or [R, 1] (a value per row) or [1, C] (per column).")
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
                 pass_through, others, valid_rows, gathered_for=None):

@@ -24,6 +24,10 @@ two launches and 8 bytes per element of [tokens, F] a step (the 350m GPT: 2.4 ms
 step on an H100). Only h is kept for the backward (in x's dtype, or in FP8 with
 `save_fp8=True`, as `fp8jax.ops.gelu`), beside what the two projections keep.
 
+With `norm_scale`, x is first RMS-normalized, by the first projection's cast
+(`fp8jax.ops.norm_dense`): the MLP block of a pre-norm transformer, its norm never written
+in bf16 either.
+
 Numerics: a and dh are cast to FP8 from float32, not rounded to bf16 first (in the
 composition they are), and their amaxes are those of the float32 values. Their
 scales are known before they exist only under delayed scaling, so the fused form runs
@@ -45,17 +49,20 @@ from fp8jax.core.meta import DotMeta, amaxes_unbatched_like, check_dot_meta
 from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import varying_axes
-from fp8jax.ops import saved_activations, weight_reuse
+from fp8jax.ops import rms_norm as norm_math
+from fp8jax.ops import saved_activations
 from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
 from fp8jax.ops.gelu import gelu
+from fp8jax.ops.norm_dense import fused_layout, normalizing_prologue
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 ACTIVATIONS = ("gelu",)
 
 
 def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
-            meta_out: DotMeta, *, activation: str = "gelu",
-            save_fp8: bool = False) -> tuple[jax.Array, DotMeta, DotMeta]:
+            meta_out: DotMeta, *, activation: str = "gelu", save_fp8: bool = False,
+            norm_scale: jax.Array | None = None,
+            norm_eps: float = 1e-6) -> tuple[jax.Array, DotMeta, DotMeta]:
   """`gelu(x @ w_in) @ w_out` with both matmuls in FP8 and the GELU done by their casts.
 
   Args:
@@ -64,8 +71,11 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
     w_out: [F, N] floating, the second projection's kernel.
     meta_in, meta_out: the two projections' `DotMeta`s.
     activation: "gelu" (the tanh approximation).
-    save_fp8: keep the GELU's input for the backward in FP8 (`fp8jax.ops.saved_activations`)
-      instead of in x's dtype.
+    save_fp8: keep the GELU's input (and the norm's, with `norm_scale`) for the backward
+      in FP8 (`fp8jax.ops.saved_activations`) instead of in x's dtype.
+    norm_scale: [D], an RMSNorm's gain: the MLP of `rms_norm(x, norm_scale, eps=norm_eps)`,
+      the norm made by the first projection's cast (`fp8jax.ops.norm_dense`).
+    norm_eps: that norm's eps.
 
   Returns:
     (y [..., N] in x's dtype, new meta_in, new meta_out), each meta with this use's amaxes.
@@ -89,18 +99,22 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
     raise ValueError(f"meta_in follows {meta_in.recipe} and meta_out {meta_out.recipe}; the "
                      "two projections of one fp8_mlp share a recipe: init both metas with "
                      "the same one.")
+  norm = (None if norm_scale is None else
+          norm_math.config(x, norm_scale, norm_eps, None, save_fp8, False, add=False))
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   layouts = _fused_layouts(x, w_in, w_out, meta_in, dims)
   if layouts is None:
+    if norm is not None:
+      x = norm_math.rms_norm(x, norm_scale, eps=norm.eps, save_fp8=norm.save_fp8)
     h, meta_in = fp8_dot_general(x, w_in, meta_in, dims)
     y, meta_out = fp8_dot_general(gelu(h, save_fp8=save_fp8), w_out, meta_out, dims)
     return y, meta_in, meta_out
   check_threaded(meta_in, "fp8_mlp")
   check_threaded(meta_out, "fp8_mlp")
   with reverse_mode_only("fp8jax.fp8_mlp", "jnp.dot and jax.nn.gelu"):
-    return _mlp(x, w_in, w_out, meta_in, meta_out,
+    return _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale,
                 _Static(*layouts, jnp.dtype(w_in.dtype), jnp.dtype(w_out.dtype),
-                        bool(save_fp8)))
+                        bool(save_fp8), None if norm is None else norm.eps))
 
 
 def quantized_activation(h: jax.Array) -> jax.Array:
@@ -111,19 +125,11 @@ def quantized_activation(h: jax.Array) -> jax.Array:
 
 def _fused_layouts(x, w_in, w_out, meta, dims):
   """(layout_in, layout_out) when the fused form runs (see the module), else None."""
-  recipe = meta.recipe
-  if recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision:
+  layout_in = fused_layout(x, w_in, meta, dims)
+  if layout_in is None or varying_axes(w_out) or explicit_mesh.is_explicitly_sharded(w_out):
     return None
-  if varying_axes(x, w_in, w_out) or weight_reuse.current() is not None:
-    return None
-  if explicit_mesh.is_explicitly_sharded(x, w_in, w_out):
-    return None
-  layout_in = matrix_layout(dims, x.shape, w_in.shape)
-  h_shape = x.shape[:-1] + (w_in.shape[1],)
-  layout_out = matrix_layout(dims, h_shape, w_out.shape)
-  if layout_in is None or layout_out is None:
-    return None
-  return layout_in, layout_out
+  layout_out = matrix_layout(dims, x.shape[:-1] + (w_in.shape[1],), w_out.shape)
+  return None if layout_out is None else (layout_in, layout_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,29 +139,36 @@ class _Static:
   w_in_dtype: jnp.dtype
   w_out_dtype: jnp.dtype
   save_fp8: bool
+  norm_eps: float | None  # None: no norm before the first projection
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(x, w_in, w_out, meta_in, meta_out, static):
-  return _forward(x, w_in, w_out, meta_in, meta_out, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, static):
+  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, static)[0]
 
 
-def _forward(x, w_in, w_out, meta_in, meta_out, static):
+def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, static):
+  norm_residuals, with_norm = None, {}
+  if static.norm_eps is not None:
+    r, prologue_inputs = normalizing_prologue(x, norm_scale, static.norm_eps)
+    norm_residuals = (norm_math.kept_for_backward(x, r, static.save_fp8), r, norm_scale)
+    with_norm = dict(x_prologue=activations.RMS_NORM, x_prologue_inputs=prologue_inputs)
   # The projections' kernels are named "up" and "down" in the program (their op names,
   # which `fp8jax inspect` and `fp8jax cost` read), as `Fp8Mlp` names their variables.
   with jax.named_scope("up"):
-    h, new_in, residuals_in = matrix_fwd(x, w_in, meta_in, None, static.layout_in)
+    h, new_in, residuals_in = matrix_fwd(x, w_in, meta_in, None, static.layout_in,
+                                         **with_norm)
   with jax.named_scope("down"):
     y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, None, static.layout_out,
                                            x_prologue=activations.GELU)
   kept = saved_activations.save(h, "gelu") if static.save_fp8 else h
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   outputs = (y, amaxes_unbatched_like(meta_in, new_in), amaxes_unbatched_like(meta_out, new_out))
-  return outputs, (residuals_in, residuals_out, kept)
+  return outputs, (residuals_in, residuals_out, kept, norm_residuals)
 
 
 def _backward(static, residuals, cotangents):
-  residuals_in, residuals_out, kept = residuals
+  residuals_in, residuals_out, kept, norm_residuals = residuals
   g, cotangent_in, cotangent_out = cotangents
   with jax.named_scope("down"):
     da, dw_out, grad_out = matrix_bwd(static.layout_out, residuals_out, g,
@@ -169,7 +182,11 @@ def _backward(static, residuals, cotangents):
                                   dataclasses.replace(cotangent_in, grad=grad_in))
   meta_out = amaxes_unbatched_like(cotangent_out,
                                    dataclasses.replace(cotangent_out, grad=grad_out))
-  return dx, dw_in, dw_out, meta_in, meta_out
+  dscale = None
+  if norm_residuals is not None:
+    ds, dscale = norm_math.backward(dx, *norm_residuals, static.save_fp8)
+    dx = ds.astype(dx.dtype)
+  return dx, dw_in, dw_out, meta_in, meta_out, dscale
 
 
 _mlp.defvjp(_forward, _backward)

@@ -66,7 +66,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6, out_dtype=Non
   Returns:
     y [..., C] in out_dtype; (y, amax) with `return_amax`.
   """
-  call = _config(x, scale, eps, out_dtype, save_fp8, return_amax, add=False)
+  call = config(x, scale, eps, out_dtype, save_fp8, return_amax, add=False)
   _, y, y_amax = _norm(x, jnp.zeros((), x.dtype), scale, call)
   return (y, y_amax) if return_amax else y
 
@@ -88,12 +88,13 @@ def add_rms_norm(x: jax.Array, delta: jax.Array, scale: jax.Array, *, eps: float
   if jnp.shape(delta) != jnp.shape(x) or jnp.result_type(delta) != jnp.result_type(x):
     raise ValueError(f"delta {jnp.shape(delta)} {jnp.result_type(delta)} must have x's shape "
                      f"and dtype, {jnp.shape(x)} {jnp.result_type(x)}.")
-  call = _config(x, scale, eps, out_dtype, save_fp8, return_amax, add=True)
+  call = config(x, scale, eps, out_dtype, save_fp8, return_amax, add=True)
   s, y, y_amax = _norm(x, delta, scale, call)
   return (s, y, y_amax) if return_amax else (s, y)
 
 
-def _config(x, scale, eps, out_dtype, save_fp8, return_amax, add) -> _Norm:
+def config(x, scale, eps, out_dtype, save_fp8, return_amax, add) -> _Norm:
+  """The static configuration of one call, its arguments checked (named in each error)."""
   check_floating(x, "x")
   check_floating(scale, "scale")
   if jnp.ndim(scale) != 1 or jnp.shape(scale)[0] != jnp.shape(x)[-1]:
@@ -112,13 +113,11 @@ def _norm(x, delta, scale, call):
 
 def _forward(x, delta, scale, call):
   s = x + delta if call.add else x
-  s32 = s.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(jnp.square(s32), axis=-1, keepdims=True) + call.eps)
-  n = s32 * r
-  y = (n * scale.astype(jnp.float32)).astype(call.out_dtype)
+  r = reciprocal_rms(s, call.eps)
+  y = (s.astype(jnp.float32) * r * scale.astype(jnp.float32)).astype(call.out_dtype)
   y_amax = tensor_amax(y) if call.return_amax else None
   # Without FP8 the input itself is kept (exact: n = s r again in the backward).
-  kept = saved_activations.save(n, "norm") if call.save_fp8 else s
+  kept = kept_for_backward(s, r, call.save_fp8)
   return (s, y, y_amax), (kept, r, scale)
 
 
@@ -126,19 +125,39 @@ def _norm_fwd(x, delta, scale, call):
   return _forward(x, delta, scale, call)
 
 
-def _norm_bwd(call, residuals, cotangents):
+def reciprocal_rms(s: jax.Array, eps: float) -> jax.Array:
+  """r = rsqrt(mean(s**2) + eps) per row of s [..., C]: float32 [..., 1]."""
+  return jax.lax.rsqrt(jnp.mean(jnp.square(s.astype(jnp.float32)), axis=-1, keepdims=True)
+                       + eps)
+
+
+def kept_for_backward(s: jax.Array, r: jax.Array, save_fp8: bool):
+  """What the backward keeps of the norm's input s: n = s r in FP8 (`save_fp8`), else s."""
+  return saved_activations.save(s.astype(jnp.float32) * r, "norm") if save_fp8 else s
+
+
+def backward(g_y: jax.Array, kept, r: jax.Array, scale: jax.Array, save_fp8: bool):
+  """The norm's backward from dL/dy (see the module): (ds float32, dscale in scale's dtype).
+
+  `kept`, `r`: `kept_for_backward`'s and the forward's r.
+  """
   # The barrier keeps XLA from sharing the forward's float32 n = s r with this one: it
   # would store it (4 bytes per element) for the backward instead of recomputing it from
   # the 2-byte s (see fp8jax.ops.gelu).
-  kept, r, scale = jax.lax.optimization_barrier(residuals)
-  g_s, g_y, _ = cotangents  # the amax is not differentiated
-  n = (saved_activations.restore(kept) if call.save_fp8 else kept.astype(jnp.float32) * r)
+  kept, r, scale = jax.lax.optimization_barrier((kept, r, scale))
+  n = saved_activations.restore(kept) if save_fp8 else kept.astype(jnp.float32) * r
   g = g_y.astype(jnp.float32)
   gn = g * scale.astype(jnp.float32)
   ds = r * (gn - n * jnp.mean(gn * n, axis=-1, keepdims=True))
-  ds = ds + g_s.astype(jnp.float32)
   dscale = jnp.sum((g * n).reshape(-1, n.shape[-1]), axis=0).astype(scale.dtype)
-  dx = ds.astype(g_s.dtype)
+  return ds, dscale
+
+
+def _norm_bwd(call, residuals, cotangents):
+  kept, r, scale = residuals
+  g_s, g_y, _ = cotangents  # the amax is not differentiated
+  ds, dscale = backward(g_y, kept, r, scale, call.save_fp8)
+  dx = (ds + g_s.astype(jnp.float32)).astype(g_s.dtype)
   # Without the add, delta is a zero scalar placeholder: its cotangent is a zero scalar.
   return dx, (dx if call.add else jnp.zeros((), dx.dtype)), dscale
 
