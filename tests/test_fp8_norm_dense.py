@@ -152,17 +152,22 @@ def test_in_bf16_the_fused_norm_is_cast_from_float32_not_from_its_bf16_rounding(
 
 
 def _mlp_steps(fn, dtype, steps=1):
-  x, scale, _, w_out = _problem(dtype)
+  """One step of loss = sum(y * target) through `fn(x, residual, scale, w_in, w_out,
+  meta_in, meta_out)`: the loss, the gradients of x, the residual, scale and both
+  kernels, and the state."""
+  x, scale, _, _ = _problem(dtype)
   rng = _rng("mlp weights")
+  residual = jnp.asarray(rng.standard_normal(x.shape), dtype)
   w_in = jnp.asarray(rng.standard_normal((96, 160)) / math.sqrt(96), jnp.float32)
-  target = jnp.asarray(rng.standard_normal((2, 48, 80)), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((160, 96)) / math.sqrt(160), jnp.float32)
+  target = jnp.asarray(rng.standard_normal((2, 48, 96)), jnp.float32)
 
   def loss(params, state):
-    y, meta_in, meta_out = fn(params["x"], params["scale"], params["in"], params["out"],
-                              state["in"], state["out"])
+    y, meta_in, meta_out = fn(params["x"], params["residual"], params["scale"], params["in"],
+                              params["out"], state["in"], state["out"])
     return jnp.sum(y.astype(jnp.float32) * target), {"in": meta_in, "out": meta_out}
 
-  params = {"x": x, "scale": scale, "in": w_in, "out": w_out}
+  params = {"x": x, "residual": residual, "scale": scale, "in": w_in, "out": w_out}
   state = {"in": warm_dot_meta(DELAYED, (60.0, 200.0, 3000.0)),
            "out": warm_dot_meta(DELAYED, (100.0, 300.0, 2000.0))}
   step = jax.jit(fp8jax.value_and_grad(loss)).lower(params, state).compile(
@@ -170,11 +175,24 @@ def _mlp_steps(fn, dtype, steps=1):
   return step(params, state)
 
 
-def test_fp8_mlp_with_a_norm_is_bitwise_the_norm_then_fp8_mlp_in_float32():
-  got = _mlp_steps(lambda x, scale, *args: fp8_mlp(x, *args, norm_scale=scale, norm_eps=EPS),
-                   jnp.float32)
-  want = _mlp_steps(lambda x, scale, *args: fp8_mlp(fp8jax.rms_norm(x, scale, eps=EPS), *args),
-                    jnp.float32)
+def _fused_sublayer(x, residual, scale, *args):
+  return fp8_mlp(x, *args, norm_scale=scale, norm_eps=EPS, residual=residual)
+
+
+def _composed_sublayer(x, residual, scale, *args):
+  s, h = fp8jax.add_rms_norm(x, residual, scale, eps=EPS)
+  y, meta_in, meta_out = fp8_mlp(h, *args)
+  return s + y, meta_in, meta_out
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm-sublayer"])
+def test_fp8_mlp_with_a_norm_is_bitwise_the_norm_then_fp8_mlp_in_float32(with_residual):
+  if with_residual:
+    fused, composed = _fused_sublayer, _composed_sublayer
+  else:
+    fused = lambda x, _, scale, *args: fp8_mlp(x, *args, norm_scale=scale, norm_eps=EPS)
+    composed = lambda x, _, scale, *args: fp8_mlp(fp8jax.rms_norm(x, scale, eps=EPS), *args)
+  got, want = _mlp_steps(fused, jnp.float32), _mlp_steps(composed, jnp.float32)
   loss, grads, state = got
   want_loss, want_grads, want_state = want
   assert_bitwise((loss, grads), (want_loss, want_grads))
@@ -185,10 +203,9 @@ def test_fp8_mlp_with_a_norm_is_bitwise_the_norm_then_fp8_mlp_in_float32():
 
 
 def test_fp8_mlp_with_a_norm_on_the_kernel_path_gives_the_jnp_paths_bits(request):
-  fn = lambda x, scale, *args: fp8_mlp(x, *args, norm_scale=scale, norm_eps=EPS)
-  want = _mlp_steps(fn, jnp.bfloat16)
+  want = _mlp_steps(_fused_sublayer, jnp.bfloat16)
   request.getfixturevalue("interpreted_kernels")
-  got = _mlp_steps(fn, jnp.bfloat16)
+  got = _mlp_steps(_fused_sublayer, jnp.bfloat16)
   loss, grads, state = got
   assert_bitwise((loss, grads), want[:2])
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want[2])):
@@ -204,6 +221,21 @@ def test_bad_arguments_are_refused_by_name(call, message):
   x, scale, kernel, _ = _problem(jnp.float32)
   with pytest.raises(ValueError, match=message):
     call(x, scale, kernel, fp8jax.init_dot_meta(DELAYED))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(norm_scale=None), "residual is the add before the MLP's norm"),
+    (dict(residual=jnp.zeros((2, 48, 95))), "residual \\(2, 48, 95\\) float32 must have"),
+    (dict(w_out=jnp.zeros((160, 80))), "w_out's last dimension must be x's, 96"),
+])
+def test_a_bad_residual_is_refused_by_name(kwargs, message):
+  x, scale, _, _ = _problem(jnp.float32)
+  args = dict(w_in=jnp.zeros((96, 160)), w_out=jnp.zeros((160, 96)), norm_scale=scale,
+              residual=x, meta_in=fp8jax.init_dot_meta(DELAYED),
+              meta_out=fp8jax.init_dot_meta(DELAYED))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    fp8_mlp(x, **args)
 
 
 class _NormThenDense(nn.Module):

@@ -68,11 +68,13 @@ class Fp8Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array, *, norm_scale: jax.Array | None = None,
-               norm_eps: float = 1e-6, norm_save_fp8: bool = False) -> jax.Array:
+               norm_eps: float = 1e-6, norm_save_fp8: bool = False,
+               residual: jax.Array | None = None) -> jax.Array:
     """inputs [..., D] -> [..., features], in the computation dtype. `norm_scale`: the gain
     [D] of an RMSNorm to apply to the inputs first, made by the up projection's FP8 cast
     (`fp8jax.ops.mlp.fp8_mlp`); `norm_eps`: its eps. `norm_save_fp8` must equal
-    `save_fp8` (one flag keeps both inputs in FP8)."""
+    `save_fp8` (one flag keeps both inputs in FP8). `residual` (with `norm_scale`): the
+    pre-norm sublayer `s + mlp(rms_norm(s))`, `s = inputs + residual`."""
     if norm_scale is not None and norm_save_fp8 != self.save_fp8:
       raise ValueError(f"norm_save_fp8={norm_save_fp8} differs from the layer's save_fp8="
                        f"{self.save_fp8}: fp8_mlp keeps the norm's and the GELU's inputs "
@@ -88,7 +90,8 @@ class Fp8Mlp(nn.Module):
     y, new_up, new_down = fp8_mlp(x, master_kernel(w_in, promoted_in),
                                   master_kernel(w_out, promoted_out), read_meta(up, up_meta),
                                   read_meta(down, down_meta), save_fp8=self.save_fp8,
-                                  norm_scale=norm_scale, norm_eps=norm_eps)
+                                  norm_scale=norm_scale, norm_eps=norm_eps,
+                                  residual=None if residual is None else residual.astype(x.dtype))
     store_dot_meta(up, up_meta, new_up)
     store_dot_meta(down, down_meta, new_down)
     return y

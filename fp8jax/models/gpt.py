@@ -332,14 +332,14 @@ class RMSNorm(nn.Module):
   return_amax: bool = False
 
   # The FP8 projection after the norm normalizes (its cast does, `fp8jax.ops.norm_dense`):
-  # the call returns the input (x + delta with delta) and the gain, and normalizes nothing.
+  # the call returns the gain alone and normalizes nothing.
   in_projection: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, delta: jax.Array | None = None):
     scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
     if self.in_projection:
-      return (x if delta is None else x + delta), scale
+      return scale
     options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
                    return_amax=self.return_amax)
     if delta is None:
@@ -489,15 +489,18 @@ class Block(nn.Module):
     _, h, h_amax, fused = _apply_norm(norm("attention_norm", _norm_in_cast(c, recipe, "qkv")),
                                       c, x)
     attended = CausalSelfAttention(c, recipe, name="attention")(h, h_amax, fused)
-    x, h, h_amax, fused = _apply_norm(
-        norm("mlp_norm", fused_mlp and _norm_in_cast(c, recipe, "up")), c, x, attended)
+    if fused_mlp and _norm_in_cast(c, recipe, "up"):
+      # The whole MLP sublayer, x + attended + mlp(norm(x + attended)), as one op.
+      *_, fused = _apply_norm(norm("mlp_norm", True), c, x)
+      return _fp8_mlp(c, recipe, x, residual=attended, **fused), None
+    x, h, h_amax, fused = _apply_norm(norm("mlp_norm", False), c, x, attended)
     if c.experts:  # the router and the expert GEMMs read h itself (no amax handed over)
       return x + gpt_moe.moe_mlp(c, recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
                                  name="mlp")(h), None
     if not fused_mlp:
       return x + Mlp(c, recipe, name="mlp")(h, h_amax), None
-    return x + _fp8_mlp(c, recipe, h, **(fused or {})), None
+    return x + _fp8_mlp(c, recipe, h), None
 
 
 def _apply_norm(norm: RMSNorm, config: GptConfig, x: jax.Array, delta: jax.Array | None = None):
@@ -509,8 +512,9 @@ def _apply_norm(norm: RMSNorm, config: GptConfig, x: jax.Array, delta: jax.Array
     applies to h (its `norm_*` arguments, `norm.in_projection`; else None: h is normalized).
   """
   if norm.in_projection:
-    s, scale = norm(x, delta)
-    return s, s, None, dict(norm_scale=scale, norm_eps=config.norm_eps,
+    if delta is not None:  # the MLP sublayer takes its residual itself (`Fp8Mlp`)
+      raise ValueError("a norm made by the projection's cast adds no delta here.")
+    return x, x, None, dict(norm_scale=norm(x), norm_eps=config.norm_eps,
                             norm_save_fp8=config.fp8_saved)
   out = norm(x, delta)
   out = out if isinstance(out, tuple) else (out,)
@@ -520,7 +524,8 @@ def _apply_norm(norm: RMSNorm, config: GptConfig, x: jax.Array, delta: jax.Array
 
 def _fp8_mlp(config: GptConfig, recipe: Recipe, h: jax.Array, **norm) -> jax.Array:
   """The block's MLP as one op (`Fp8Mlp`, named "mlp"), the GELU done by the casts; `norm`:
-  the norm its up projection's cast applies to h (`Fp8Mlp`'s norm_* arguments)."""
+  the norm its up projection's cast applies to h and the residual added before it
+  (`Fp8Mlp`'s norm_* and residual arguments)."""
   c = config
   return Fp8Mlp(c.d_ff, recipe=recipe, dtype=ACTIVATION_DTYPE,
                 param_dtype=PARAM_DTYPE, kernel_init=nn.initializers.normal(c.init_std),

@@ -61,8 +61,8 @@ ACTIVATIONS = ("gelu",)
 
 def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
             meta_out: DotMeta, *, activation: str = "gelu", save_fp8: bool = False,
-            norm_scale: jax.Array | None = None,
-            norm_eps: float = 1e-6) -> tuple[jax.Array, DotMeta, DotMeta]:
+            norm_scale: jax.Array | None = None, norm_eps: float = 1e-6,
+            residual: jax.Array | None = None) -> tuple[jax.Array, DotMeta, DotMeta]:
   """`gelu(x @ w_in) @ w_out` with both matmuls in FP8 and the GELU done by their casts.
 
   Args:
@@ -76,9 +76,14 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
     norm_scale: [D], an RMSNorm's gain: the MLP of `rms_norm(x, norm_scale, eps=norm_eps)`,
       the norm made by the first projection's cast (`fp8jax.ops.norm_dense`).
     norm_eps: that norm's eps.
+    residual: with `norm_scale`, [..., D] of x's dtype: the pre-norm MLP sublayer of a
+      transformer, `s + mlp(rms_norm(s))` with `s = x + residual` (in x's dtype, as
+      `fp8jax.add_rms_norm`): the gradient reaching s from both uses is summed in float32
+      and rounded once, as `add_rms_norm`'s backward does.
 
   Returns:
-    (y [..., N] in x's dtype, new meta_in, new meta_out), each meta with this use's amaxes.
+    (y [..., N] in x's dtype, new meta_in, new meta_out), each meta with this use's amaxes;
+    with `residual`, y is `s + mlp(rms_norm(s))` (N must be D).
   """
   check_floating(x, "x")
   check_floating(w_in, "w_in")
@@ -101,20 +106,40 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
                      "the same one.")
   norm = (None if norm_scale is None else
           norm_math.config(x, norm_scale, norm_eps, None, save_fp8, False, add=False))
+  _check_residual(residual, norm, x, w_out)
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   layouts = _fused_layouts(x, w_in, w_out, meta_in, dims)
   if layouts is None:
-    if norm is not None:
+    s = x
+    if residual is not None:
+      s, x = norm_math.add_rms_norm(x, residual, norm_scale, eps=norm.eps,
+                                    save_fp8=norm.save_fp8)
+    elif norm is not None:
       x = norm_math.rms_norm(x, norm_scale, eps=norm.eps, save_fp8=norm.save_fp8)
     h, meta_in = fp8_dot_general(x, w_in, meta_in, dims)
     y, meta_out = fp8_dot_general(gelu(h, save_fp8=save_fp8), w_out, meta_out, dims)
-    return y, meta_in, meta_out
+    return (y if residual is None else s + y), meta_in, meta_out
   check_threaded(meta_in, "fp8_mlp")
   check_threaded(meta_out, "fp8_mlp")
   with reverse_mode_only("fp8jax.fp8_mlp", "jnp.dot and jax.nn.gelu"):
-    return _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale,
+    return _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual,
                 _Static(*layouts, jnp.dtype(w_in.dtype), jnp.dtype(w_out.dtype),
-                        bool(save_fp8), None if norm is None else norm.eps))
+                        bool(save_fp8), None if norm is None else norm.eps,
+                        residual is not None))
+
+
+def _check_residual(residual, norm, x, w_out) -> None:
+  if residual is None:
+    return
+  if norm is None:
+    raise ValueError("residual is the add before the MLP's norm: pass norm_scale too, or "
+                     "add the residual to x yourself.")
+  if jnp.shape(residual) != x.shape or jnp.result_type(residual) != x.dtype:
+    raise ValueError(f"residual {jnp.shape(residual)} {jnp.result_type(residual)} must have "
+                     f"x's shape and dtype, {x.shape} {x.dtype}.")
+  if w_out.shape[1] != x.shape[-1]:
+    raise ValueError(f"with residual the output is added to x + residual: w_out's last "
+                     f"dimension must be x's, {x.shape[-1]}; got w_out {w_out.shape}.")
 
 
 def quantized_activation(h: jax.Array) -> jax.Array:
@@ -140,14 +165,17 @@ class _Static:
   w_out_dtype: jnp.dtype
   save_fp8: bool
   norm_eps: float | None  # None: no norm before the first projection
+  residual: bool = False  # the sublayer s + mlp(rms_norm(s)), s = x + residual
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, static):
-  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static):
+  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static)[0]
 
 
-def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, static):
+def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static):
+  if residual is not None:  # the sublayer: s + mlp(rms_norm(s)), s = x + residual
+    x = x + residual
   norm_residuals, with_norm = None, {}
   if static.norm_eps is not None:
     r, prologue_inputs = normalizing_prologue(x, norm_scale, static.norm_eps)
@@ -162,6 +190,8 @@ def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, static):
     y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, None, static.layout_out,
                                            x_prologue=activations.GELU)
   kept = saved_activations.save(h, "gelu") if static.save_fp8 else h
+  if residual is not None:
+    y = x + y
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   outputs = (y, amaxes_unbatched_like(meta_in, new_in), amaxes_unbatched_like(meta_out, new_out))
   return outputs, (residuals_in, residuals_out, kept, norm_residuals)
@@ -182,11 +212,14 @@ def _backward(static, residuals, cotangents):
                                   dataclasses.replace(cotangent_in, grad=grad_in))
   meta_out = amaxes_unbatched_like(cotangent_out,
                                    dataclasses.replace(cotangent_out, grad=grad_out))
-  dscale = None
+  dscale, d_residual = None, None
   if norm_residuals is not None:
     ds, dscale = norm_math.backward(dx, *norm_residuals, static.save_fp8)
+    if static.residual:  # s's two uses summed in float32, rounded once
+      ds = ds + g.astype(jnp.float32)
     dx = ds.astype(dx.dtype)
-  return dx, dw_in, dw_out, meta_in, meta_out, dscale
+    d_residual = dx if static.residual else None
+  return dx, dw_in, dw_out, meta_in, meta_out, dscale, d_residual
 
 
 _mlp.defvjp(_forward, _backward)
