@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from fp8jax.ops.attention import attention, fp8_attention
 from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.dot import fp8_dot_general
-from fp8jax.ops.norm_dense import fp8_rms_norm_dense
+from fp8jax.ops.norm_dense import NORM_EPS, fp8_rms_norm_dense
+from fp8jax.ops.rms_norm import config as norm_config
 from fp8jax.ops.einsum import fp8_einsum, parse_two_operand_subscripts
 from fp8jax.mesh.explicit import with_out_sharding
 from fp8jax.core.calibration import training_recipe
@@ -147,7 +148,7 @@ class Fp8Dense(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None, *,
-               norm_scale: jax.Array | None = None, norm_eps: float = 1e-6,
+               norm_scale: jax.Array | None = None, norm_eps: float = NORM_EPS,
                norm_save_fp8: bool = False) -> jax.Array:
     """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dense`'s).
     `norm_scale`: the gain [K] of an RMSNorm to apply to the inputs first, made by the
@@ -162,7 +163,7 @@ class Fp8Dense(nn.Module):
     kernel = master_kernel(kernel, promoted)
     variable = dot_meta_variable(self, self.recipe)
     if norm_scale is not None:
-      _refuse_amax_with_norm(x_amax)
+      _check_norm(x, x_amax, norm_scale, norm_eps)
       y, new_meta = fp8_rms_norm_dense(x, norm_scale, kernel, read_meta(self, variable),
                                        eps=norm_eps, save_fp8=norm_save_fp8)
       y = y if bias is None else y + bias.astype(y.dtype)
@@ -191,7 +192,7 @@ class Fp8DenseGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None, *,
-               norm_scale: jax.Array | None = None, norm_eps: float = 1e-6,
+               norm_scale: jax.Array | None = None, norm_eps: float = NORM_EPS,
                norm_save_fp8: bool = False) -> jax.Array:
     """`x_amax`: max|inputs| from the op that wrote them (`fp8jax.fp8_dot_general`'s).
     `norm_scale`: the gain of an RMSNorm over x's last axis (the one `axis` contracts) to
@@ -213,7 +214,7 @@ class Fp8DenseGeneral(nn.Module):
     variable = dot_meta_variable(self, self.recipe)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
     if norm_scale is not None:
-      _refuse_amax_with_norm(x_amax)
+      _check_norm(x, x_amax, norm_scale, norm_eps)
       y, new_meta = fp8_rms_norm_dense(x, norm_scale, kernel, read_meta(self, variable),
                                        eps=norm_eps, save_fp8=norm_save_fp8)
     else:
@@ -225,7 +226,10 @@ class Fp8DenseGeneral(nn.Module):
     return y
 
 
-def _refuse_amax_with_norm(x_amax) -> None:
+def _check_norm(x, x_amax, norm_scale, norm_eps) -> None:
+  """The norm a layer's cast applies, checked under the names the layer's call takes."""
+  norm_config(x, norm_scale, norm_eps, None, False, False, add=False,
+              names=("norm_scale", "norm_eps"))
   if x_amax is not None:
     raise ValueError("x_amax is max|inputs|, but with norm_scale the projection casts the "
                      "normalized inputs, whose amax its cast measures: pass one or the other.")

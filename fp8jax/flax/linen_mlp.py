@@ -26,6 +26,7 @@ from fp8jax.core.recipes import DelayedScaling, Recipe
 from fp8jax.flax.linen import default_kernel_init, dot_meta_variable, read_meta, store_dot_meta
 from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.ops.mlp import fp8_mlp
+from fp8jax.ops.norm_dense import NORM_EPS
 
 
 class MlpWeights(nn.Module):
@@ -68,19 +69,22 @@ class Fp8Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array, *, norm_scale: jax.Array | None = None,
-               norm_eps: float = 1e-6, norm_save_fp8: bool = False,
+               norm_eps: float = NORM_EPS, norm_save_fp8: bool | None = None,
                residual: jax.Array | None = None) -> jax.Array:
     """inputs [..., D] -> [..., features], in the computation dtype. `norm_scale`: the gain
     [D] of an RMSNorm to apply to the inputs first, made by the up projection's FP8 cast
-    (`fp8jax.ops.mlp.fp8_mlp`); `norm_eps`: its eps. `norm_save_fp8` must equal
-    `save_fp8` (one flag keeps both inputs in FP8). `residual` (with `norm_scale`): the
-    pre-norm sublayer `s + mlp(rms_norm(s))`, `s = inputs + residual`."""
-    if norm_scale is not None and norm_save_fp8 != self.save_fp8:
+    (`fp8jax.ops.mlp.fp8_mlp`); `norm_eps`: its eps. `norm_save_fp8`: None (the layer's
+    `save_fp8`) or equal to it (one flag keeps both inputs in FP8). `residual` (with
+    `norm_scale`): the pre-norm sublayer `s + mlp(rms_norm(s))`, `s = inputs + residual`."""
+    if norm_scale is not None and norm_save_fp8 not in (None, self.save_fp8):
       raise ValueError(f"norm_save_fp8={norm_save_fp8} differs from the layer's save_fp8="
                        f"{self.save_fp8}: fp8_mlp keeps the norm's and the GELU's inputs "
                        "alike. Pass the layer's save_fp8.")
     d = inputs.shape[-1]
     features = self.features or d
+    if residual is not None and features != d:
+      raise ValueError(f"residual is added to the output, so the layer's features={features} "
+                       f"must be the inputs' width {d} (or None).")
     up = MlpWeights((d, self.hidden), self.recipe, self.param_dtype, self.kernel_init, name="up")
     down = MlpWeights((self.hidden, features), self.recipe, self.param_dtype,
                     self.output_kernel_init or self.kernel_init, name="down")

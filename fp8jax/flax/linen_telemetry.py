@@ -14,6 +14,7 @@ from fp8jax.flax.linen_mlp import Fp8Mlp, MlpWeights
 from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.mlp import quantized_activation
+from fp8jax.ops.norm_dense import NORM_EPS, quantized_input
 from fp8jax.telemetry import TELEMETRY_COLLECTION, dot_stats
 
 
@@ -28,7 +29,8 @@ def linen_tensor_stats():
   runs in FP8, whose module can write the "fp8_telemetry" collection sows
   `tensor_stats(x, meta.x)` under the name "x" and `tensor_stats(kernel,
   meta.kernel)` under "kernel" (x and kernel after the layer's dtype
-  promotion, i.e. the tensors its FP8 op quantizes). Linen's `sow` keeps a
+  promotion, x normalized where the call passes `norm_scale`, i.e. the tensors its FP8
+  op quantizes). Linen's `sow` keeps a
   tuple with one entry per call. It does nothing while the collection is not
   mutable and during `init`, so it can stay on for every step:
 
@@ -60,7 +62,7 @@ def _sow_dot_stats(next_fun, args, kwargs, context, mlp_projections):
       out = next_fun(*args, **kwargs)
     finally:
       projections = mlp_projections.pop()
-    _sow_mlp_stats(module, args[0] if args else kwargs["inputs"], projections)
+    _sow_mlp_stats(module, args[0] if args else kwargs["inputs"], kwargs, projections)
     return out
   if isinstance(module, MlpWeights) and mlp_projections:
     mlp_projections[-1].append(module)
@@ -81,15 +83,27 @@ def _sow_dot_stats(next_fun, args, kwargs, context, mlp_projections):
     x, promoted = nn.dtypes.promote_dtype(x, kernel, dtype=module.dtype)
     kernel = master_kernel(kernel, promoted)  # what the layer quantizes
     dimension_numbers = _contraction(module, x, kernel)
+    x = _normalized(x, kwargs)
   for role, stats in dot_stats(x, kernel, meta, dimension_numbers=dimension_numbers).items():
     module.sow(TELEMETRY_COLLECTION, role, stats)
   return out
 
 
-def _sow_mlp_stats(module, inputs, projections) -> None:
+def _normalized(x, kwargs):
+  """x as an FP8 layer's cast quantizes it: normalized where the call passed `norm_scale`
+  (`fp8jax.fp8_rms_norm_dense`), after the residual add where it passed `residual`."""
+  if kwargs.get("residual") is not None:
+    x = x + kwargs["residual"].astype(x.dtype)
+  if kwargs.get("norm_scale") is None:
+    return x
+  return quantized_input(x, kwargs["norm_scale"], kwargs.get("norm_eps", NORM_EPS))
+
+
+def _sow_mlp_stats(module, inputs, kwargs, projections) -> None:
   """An `Fp8Mlp`'s stats, sown by its "up" and "down" modules: each projection's x and
-  kernel as its casts quantize them (the up projection's output recomputed here, in FP8
-  with the step's scales, for the GELU the down projection's cast computes)."""
+  kernel as its casts quantize them (the normalized input where the call passed
+  `norm_scale`; the up projection's output recomputed here, in FP8 with the step's scales,
+  for the GELU the down projection's cast computes)."""
   if (module.is_initializing() or not module.is_mutable_collection(TELEMETRY_COLLECTION)
       or len(projections) != 2):
     return
@@ -98,6 +112,7 @@ def _sow_mlp_stats(module, inputs, projections) -> None:
   stored = [nn.meta.unbox(p.get_variable("params", "kernel")) for p in projections]
   x, *promoted = nn.dtypes.promote_dtype(inputs, *stored, dtype=module.dtype)
   kernels = [master_kernel(k, p) for k, p in zip(stored, promoted)]
+  x = _normalized(x, kwargs)
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   h, _ = fp8_dot_general(x, kernels[0], metas[0], dims)
   activation = quantized_activation(h)

@@ -17,8 +17,8 @@ on its own shard:
 
 * the kernel reads one 2-D tensor `t` (any sharding of its two axes), perhaps
   more tensors sharded alike (or a value per row [R, 1], split as `t`'s rows, or
-  per column [1, C], as its columns), and small replicated operands (FP8 scales, running amaxes, descales, an earlier
-  kernel's tile maxima);
+  per column [1, C], as its columns), and small replicated operands (FP8 scales,
+  running amaxes, descales, an earlier kernel's tile maxima);
 * each device runs the kernel on its own shard of `t`: its tensor outputs are
   `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
   two axes' shardings swapped), so nothing is gathered;

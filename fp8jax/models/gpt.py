@@ -30,9 +30,12 @@ bfloat16.
 FP8 (`recipe` given): the qkv and attention-output projections are
 `fp8jax.flax.linen.Fp8DenseGeneral`, the MLP is one `fp8jax.flax.linen_mlp.Fp8Mlp`
 (both projections and the GELU, done by their casts; two `Fp8Dense` where a projection
-stays in bf16 or under current scaling), the tied output projection is an
-`fp8jax.fp8_einsum` on the embedding table with its own `DotMeta`, and attention is
-`fp8jax.fp8_attention` with an `AttentionMeta` where its backend computes in FP8
+stays in bf16 or under current scaling); under delayed scaling each norm is made by the
+FP8 cast of the projection after it (`norm_scale=`, `fp8jax.fp8_rms_norm_dense`; the MLP's
+together with the residual add before it, `Fp8Mlp(residual=)`) and never written in bf16;
+the tied output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
+`DotMeta`, and attention is `fp8jax.fp8_attention` with an `AttentionMeta` where its
+backend computes in FP8
 (`GptConfig.fp8_attention`; `runs_fp8_attention`). With `recipe=None`
 the same places run `nn.DenseGeneral` / `nn.Dense`, `jnp.einsum` and
 `fp8jax.attention`, under the same parameter names and shapes, so parameters

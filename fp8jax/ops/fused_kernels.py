@@ -246,8 +246,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   A cast can take its tensor as an elementwise function of x (and of tensors of x's
   shape, or of a value per row or column) that it computes itself (`prologue`,
   `pallas_kernels.activations`): the GELU before a projection, its backward before the
-  previous projection's output gradient, or the RMSNorm before a projection. The function's result is cast and its amax recorded, in float32, and never
-  written in bf16 for a cast to read again.
+  previous projection's output gradient, or the RMSNorm before a projection. The
+  function's result is cast and its amax recorded, in float32, and never written in bf16
+  for a cast to read again.
 
   Elsewhere (the jnp form) the same values: the tile maxima are a vector of
   max|x| as long as the kernel's, the seeds zeros, the copies the arrays themselves.

@@ -22,11 +22,14 @@ projection's cast makes gelu(h) from h itself, and the first projection's gradie
 makes da gelu'(h) from da and h (`fp8jax.ops.fused_kernels.cast_in_chain`'s prologue):
 two launches and 8 bytes per element of [tokens, F] a step (the 350m GPT: 2.4 ms of its
 step on an H100). Only h is kept for the backward (in x's dtype, or in FP8 with
-`save_fp8=True`, as `fp8jax.ops.gelu`), beside what the two projections keep.
+`save_fp8=True`, as `fp8jax.ops.gelu`), beside what the two projections keep (and, with a
+norm, what `fp8jax.ops.rms_norm` keeps: x, or n in FP8, and r).
 
 With `norm_scale`, x is first RMS-normalized, by the first projection's cast
 (`fp8jax.ops.norm_dense`): the MLP block of a pre-norm transformer, its norm never written
-in bf16 either.
+in bf16 either. With `residual` too it is the whole sublayer, `s + mlp(rms_norm(s))` with
+`s = x + residual`: the gradient reaching s through the norm and through the skip
+connection is summed in float32 and rounded once (as `fp8jax.add_rms_norm`).
 
 Numerics: a and dh are cast to FP8 from float32, not rounded to bf16 first (in the
 composition they are), and their amaxes are those of the float32 values. Their
@@ -53,7 +56,7 @@ from fp8jax.ops import rms_norm as norm_math
 from fp8jax.ops import saved_activations
 from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
 from fp8jax.ops.gelu import gelu
-from fp8jax.ops.norm_dense import fused_layout, normalizing_prologue
+from fp8jax.ops.norm_dense import NORM_EPS, fused_layout, normalizing_prologue
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 ACTIVATIONS = ("gelu",)
@@ -61,7 +64,7 @@ ACTIVATIONS = ("gelu",)
 
 def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
             meta_out: DotMeta, *, activation: str = "gelu", save_fp8: bool = False,
-            norm_scale: jax.Array | None = None, norm_eps: float = 1e-6,
+            norm_scale: jax.Array | None = None, norm_eps: float = NORM_EPS,
             residual: jax.Array | None = None) -> tuple[jax.Array, DotMeta, DotMeta]:
   """`gelu(x @ w_in) @ w_out` with both matmuls in FP8 and the GELU done by their casts.
 
@@ -105,10 +108,11 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
                      "two projections of one fp8_mlp share a recipe: init both metas with "
                      "the same one.")
   norm = (None if norm_scale is None else
-          norm_math.config(x, norm_scale, norm_eps, None, save_fp8, False, add=False))
+          norm_math.config(x, norm_scale, norm_eps, None, save_fp8, False, add=False,
+                           names=("norm_scale", "norm_eps")))
   _check_residual(residual, norm, x, w_out)
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  layouts = _fused_layouts(x, w_in, w_out, meta_in, dims)
+  layouts = _fused_layouts(x, w_in, w_out, meta_in, dims, norm_scale, residual)
   if layouts is None:
     s = x
     if residual is not None:
@@ -148,9 +152,10 @@ def quantized_activation(h: jax.Array) -> jax.Array:
   return activations.gelu_tanh(h.astype(jnp.float32))
 
 
-def _fused_layouts(x, w_in, w_out, meta, dims):
-  """(layout_in, layout_out) when the fused form runs (see the module), else None."""
-  layout_in = fused_layout(x, w_in, meta, dims)
+def _fused_layouts(x, w_in, w_out, meta, dims, *others):
+  """(layout_in, layout_out) when the fused form runs (see the module), else None.
+  `others`: the norm's gains and the residual, where given."""
+  layout_in = fused_layout(x, w_in, meta, dims, *others)
   if layout_in is None or varying_axes(w_out) or explicit_mesh.is_explicitly_sharded(w_out):
     return None
   layout_out = matrix_layout(dims, x.shape[:-1] + (w_in.shape[1],), w_out.shape)

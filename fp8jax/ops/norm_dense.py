@@ -44,9 +44,12 @@ from fp8jax.ops import weight_reuse
 from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
+# The eps of an RMSNorm made by an FP8 cast, unless given (`fp8jax.rms_norm`'s default).
+NORM_EPS = 1e-6
+
 
 def fp8_rms_norm_dense(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: DotMeta, *,
-                       eps: float = 1e-6,
+                       eps: float = NORM_EPS,
                        save_fp8: bool = False) -> tuple[jax.Array, DotMeta]:
   """An RMSNorm and the FP8 projection after it, the norm made by the projection's cast.
 
@@ -74,7 +77,7 @@ def fp8_rms_norm_dense(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: 
   refuse_split_state(meta, "meta")
   check_dot_meta(meta, "meta")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  layout = fused_layout(x, kernel, meta, dims)
+  layout = fused_layout(x, kernel, meta, dims, scale)
   if layout is None:
     normed = norm_math.rms_norm(x, scale, eps=call.eps, save_fp8=call.save_fp8)
     return fp8_dot_general(normed, kernel, meta, dims)
@@ -84,16 +87,28 @@ def fp8_rms_norm_dense(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: 
                        _Static(layout, jnp.dtype(kernel.dtype), call.eps, call.save_fp8))
 
 
-def fused_layout(x, kernel, meta: DotMeta, dims) -> MatrixLayout | None:
-  """The layout of `x . kernel` where a cast can run a prologue (see the module), else None."""
+def fused_layout(x, kernel, meta: DotMeta, dims, *others) -> MatrixLayout | None:
+  """The layout of `x . kernel` where a cast can run a prologue (see the module), else None.
+
+  `others`: further arrays the fused op reads (a norm's gains, a residual): the fused form
+  runs only where none of them varies over a `shard_map` axis or is explicitly sharded.
+  """
   recipe = meta.recipe
   if recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision:
     return None
-  if varying_axes(x, kernel) or weight_reuse.current() is not None:
+  operands = (x, kernel) + tuple(o for o in others if o is not None)
+  if varying_axes(*operands) or weight_reuse.current() is not None:
     return None
-  if explicit_mesh.is_explicitly_sharded(x, kernel):
+  if explicit_mesh.is_explicitly_sharded(*operands):
     return None
   return matrix_layout(dims, x.shape, kernel.shape)
+
+
+def quantized_input(x: jax.Array, scale: jax.Array, eps: float = NORM_EPS) -> jax.Array:
+  """What the fused cast quantizes: rms_norm(x, scale) in float32, never rounded to x's
+  dtype (for telemetry of that operand)."""
+  r = norm_math.reciprocal_rms(x, eps)
+  return activations.rms_normalize(x.astype(jnp.float32), r, scale.astype(jnp.float32))
 
 
 def normalizing_prologue(x: jax.Array, scale: jax.Array, eps: float):

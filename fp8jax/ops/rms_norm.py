@@ -15,11 +15,11 @@ residual stream stores it):
 (ds: differentiating n_i = s_i r with dr/ds_j = -r**3 s_j / C gives
 ds_j = r gn_j - r n_j mean_i(gn_i n_i); eps enters through r only.)
 
-What the backward keeps: n and r. With `save_fp8=True` n is kept as E4M3 with a
+What the backward keeps: r (float32 per row) and, with `save_fp8=True`, n as E4M3 with a
 power-of-two scale per 1 x 128 group (`fp8jax.ops.saved_activations`: 1.03 bytes per
-element), r as float32 per row; otherwise n in x's dtype. Plain autodiff of the float32
-norm keeps three float32 tensors per row (12 bytes per element). The FP8 copy only feeds
-the gradients: the forward output is the same either way. Its error in n (<= 2**-4
+element); otherwise s itself, in x's dtype (n = s r is recomputed, exactly). Plain
+autodiff of the float32 norm keeps three float32 tensors per row (12 bytes per element).
+The FP8 copy only feeds the gradients: the forward output is the same either way. Its error in n (<= 2**-4
 relative, 2**-10 / s absolute per group) reaches ds and dscale linearly (the tests
 bound it).
 
@@ -93,15 +93,18 @@ def add_rms_norm(x: jax.Array, delta: jax.Array, scale: jax.Array, *, eps: float
   return (s, y, y_amax) if return_amax else (s, y)
 
 
-def config(x, scale, eps, out_dtype, save_fp8, return_amax, add) -> _Norm:
-  """The static configuration of one call, its arguments checked (named in each error)."""
+def config(x, scale, eps, out_dtype, save_fp8, return_amax, add,
+           names: tuple[str, str] = ("scale", "eps")) -> _Norm:
+  """The static configuration of one call, its arguments checked (named in each error:
+  `names` are what the caller calls scale and eps, such as "norm_scale", "norm_eps")."""
+  scale_name, eps_name = names
   check_floating(x, "x")
-  check_floating(scale, "scale")
+  check_floating(scale, scale_name)
   if jnp.ndim(scale) != 1 or jnp.shape(scale)[0] != jnp.shape(x)[-1]:
-    raise ValueError(f"scale must be [C] = [{jnp.shape(x)[-1]}] (x's last axis); got shape "
-                     f"{jnp.shape(scale)}.")
+    raise ValueError(f"{scale_name} must be [C] = [{jnp.shape(x)[-1]}] (x's last axis); got "
+                     f"shape {jnp.shape(scale)}.")
   if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-    raise ValueError(f"eps={eps!r} must be a non-negative number.")
+    raise ValueError(f"{eps_name}={eps!r} must be a non-negative number.")
   return _Norm(float(eps), jnp.dtype(out_dtype or x.dtype), bool(save_fp8), bool(return_amax),
                add)
 
