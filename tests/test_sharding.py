@@ -487,9 +487,16 @@ def test_moe_gpt_step_splits_each_expert_and_gives_the_one_device_state(fsdp):
            for (path, a), (_, b) in zip(metas(got[2]), metas(want[2]))]
   assert any("w_in_meta" in path for path, *_ in pairs)
   for path, amax, want_amax, scale, want_scale in pairs:
-    if not fsdp or not path.endswith(".grad"):
-      # Exact: every role on the 2 x 4 mesh; under FSDP the forward roles (the inputs,
-      # the weights, each expert's).
+    if path.endswith("['qkv']['dot_meta'].x"):
+      # qkv's cast quantizes the float32 norm (fp8jax.fp8_rms_norm_dense), whose mean of
+      # d_model = 64 squares the two programs may sum in another order: within 64 float32
+      # ulps (2**-24 each, relative) in the mean, half that in r, so in the amax and in
+      # the scale made from it.
+      np.testing.assert_allclose(amax, want_amax, rtol=64 * 2.0**-24, err_msg=path)
+      np.testing.assert_allclose(scale, want_scale, rtol=64 * 2.0**-24, err_msg=path)
+    elif not fsdp or not path.endswith(".grad"):
+      # Exact: every other role on the 2 x 4 mesh; under FSDP the other forward roles (the
+      # inputs, the weights, each expert's).
       np.testing.assert_array_equal(amax, want_amax, err_msg=path)
       np.testing.assert_array_equal(scale, want_scale, err_msg=path)
     else:
