@@ -107,8 +107,7 @@ def fused_layout(x, kernel, meta: DotMeta, dims, *others) -> MatrixLayout | None
 def quantized_input(x: jax.Array, scale: jax.Array, eps: float = NORM_EPS) -> jax.Array:
   """What the fused cast quantizes: rms_norm(x, scale) in float32, never rounded to x's
   dtype (for telemetry of that operand)."""
-  r = norm_math.reciprocal_rms(x, eps)
-  return activations.rms_normalize(x.astype(jnp.float32), r, scale.astype(jnp.float32))
+  return norm_math.rms_norm(x, scale, eps=eps, out_dtype=jnp.float32)
 
 
 def normalizing_prologue(x: jax.Array, scale: jax.Array, eps: float):

@@ -35,6 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels.activations as activations
 from fp8jax.core.quantize import amax as tensor_amax
 from fp8jax.core.validation import check_floating
 from fp8jax.ops import saved_activations
@@ -117,7 +118,9 @@ def _norm(x, delta, scale, call):
 def _forward(x, delta, scale, call):
   s = x + delta if call.add else x
   r = reciprocal_rms(s, call.eps)
-  y = (s.astype(jnp.float32) * r * scale.astype(jnp.float32)).astype(call.out_dtype)
+  # The math the FP8 casts' norm prologue runs (`fp8jax.ops.norm_dense`): the same numbers.
+  y = activations.rms_normalize(s.astype(jnp.float32), r,
+                                scale.astype(jnp.float32)).astype(call.out_dtype)
   y_amax = tensor_amax(y) if call.return_amax else None
   # Without FP8 the input itself is kept (exact: n = s r again in the backward).
   kept = kept_for_backward(s, r, call.save_fp8)
