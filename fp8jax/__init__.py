@@ -48,7 +48,7 @@ from fp8jax.step.training import accumulate_gradients, calibrate, value_and_grad
 from fp8jax.step.all_reduce import all_reduce_amax
 # The tools; the attention backends and the fused kernels are public submodules of ops.
 from fp8jax import deviceless, lowering, optim, telemetry  # noqa: F401
-from fp8jax.ops import attention_backend, fused_kernels  # noqa: F401
+from fp8jax.ops import attention_backend, fused_kernels, stacked_weights  # noqa: F401
 
 __all__ = [
     "E2M1", "E4M3", "E5M2", "Fp8Format", "formats_for",
@@ -65,5 +65,6 @@ __all__ = [
     "all_reduce_amax",
     "AttentionMeta", "attention", "fp8_attention", "init_attention_meta",
     "rms_norm", "add_rms_norm", "gelu",
-    "attention_backend", "deviceless", "fused_kernels", "lowering", "optim", "telemetry",
+    "attention_backend", "deviceless", "fused_kernels", "lowering", "optim", "stacked_weights",
+    "telemetry",
 ]

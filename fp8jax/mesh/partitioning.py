@@ -483,3 +483,54 @@ def _shardings(mesh, layouts, batch, heads) -> tuple:
       NamedSharding(mesh, PartitionSpec(*(axis_of.get(letter) for letter in
                                           ("" if layout == "amax" else layout))))
       for layout in layouts)
+
+
+def shard_local_stacked_cast(kernel: Callable) -> Callable:
+  """`kernel(stack [L, R, C], scale [L]) -> (q [L, R, C], q_t [L, C, R], amax [L], seed [L])`,
+  every layer's weight cast by each device on its shard (`fp8jax.ops.stacked_weights`).
+
+  Each device casts its [R, C] shard of every layer (the layer axis whole: a split one
+  is gathered first, as is an axis the mesh does not divide); q keeps the stack's
+  sharding and q_t has its two last axes' swapped, so nothing is gathered (under FSDP
+  XLA gathers each layer's FP8 copy where its GEMM reads it, in FP8). The amaxes are made
+  global by a max over the mesh axes that split a layer; the seeds (zeros) are replicated.
+  """
+
+  @custom_partitioning
+  def partitioned(stack, scale):
+    return tuple(kernel(stack, scale))
+
+  def _specs(mesh, stack_shape):
+    rows, cols = _divisible_spec(mesh, _LayerShard(stack_shape))
+    return PartitionSpec(None, rows, cols), PartitionSpec(None, cols, rows)
+
+  def _results(mesh, same, transposed):
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return (NamedSharding(mesh, same), NamedSharding(mesh, transposed), replicated, replicated)
+
+  def partition(mesh, arg_shapes, result_shape):
+    same, transposed = _specs(mesh, arg_shapes[0])
+    split_over = tuple(name for entry in same for name in axis_names(entry))
+
+    def lower_fn(stack, scale):
+      q, q_t, amaxes, seeds = kernel(stack, scale)
+      return q, q_t, (jax.lax.pmax(amaxes, split_over) if split_over else amaxes), seeds
+
+    arg_shardings = (NamedSharding(mesh, same), NamedSharding(mesh, PartitionSpec()))
+    return mesh, lower_fn, _results(mesh, same, transposed), arg_shardings
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    return _results(mesh, *_specs(mesh, arg_shapes[0]))
+
+  return define_rules(partitioned, partition, infer_sharding_from_operands,
+                      "l r c, s -> l r c, l c r, a, b")
+
+
+class _LayerShard:
+  """One layer of a stack's shape and sharding, [R, C], for `_divisible_spec`."""
+
+  def __init__(self, stack_shape):
+    self.shape = tuple(stack_shape.shape[1:])
+    spec = getattr(stack_shape.sharding, "spec", None)
+    self.sharding = None if spec is None else NamedSharding(
+        stack_shape.sharding.mesh, PartitionSpec(*(tuple(spec) + (None,) * 3)[1:3]))

@@ -62,7 +62,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import match_operand_axes, varying_axes
 from fp8jax.mesh.partitioning import shard_local_gemm, vmapped_as
-from fp8jax.ops import fused_kernels, saved_activations, weight_reuse
+from fp8jax.ops import fused_kernels, saved_activations, stacked_weights, weight_reuse
 from fp8jax.ops.cast import amax_of_whole, cast_scale, quantize_with_meta
 from fp8jax.ops.fine_grained_dot import fine_grained_dot_general
 from fp8jax.ops.fused_kernels import cast_from_amax, cast_in_chain
@@ -132,11 +132,17 @@ def _check_x_amax(x_amax) -> None:
 
 
 def _reused_kernel(kernel, meta, layout):
-  """The kernel's FP8 copies from earlier in the step, under `fp8jax.ops.weight_reuse`; or None.
+  """The kernel's FP8 copies from earlier in the step, under `fp8jax.ops.stacked_weights`'
+  `supplying` or `fp8jax.ops.weight_reuse`; or None. (q, q_t, amax, scale_inv, seed):
+  scale_inv None where it is the meta's own, seed a zeroed accumulator for x's amax or None.
 
   While collecting, the kernel is quantized here, outside the op's custom VJP,
   so that its arrays belong to the trace that will reuse them.
   """
+  supplied = None if meta.recipe.scales_from_tensor else stacked_weights.supplied(kernel,
+                                                                                    layout)
+  if supplied is not None:  # cast before the loop over layers, with this layer's scale
+    return supplied
   cache = weight_reuse.current()
   if cache is None or layout is None or not cache.applies_here():
     return None
@@ -145,7 +151,7 @@ def _reused_kernel(kernel, meta, layout):
   fresh = dataclasses.replace(meta, amax=jnp.zeros_like(meta.amax))
   cast, scale_inv, _ = _quantize_matrix(
       explicit_mesh.to_matrix(kernel, layout.n_contract), fresh, kernel, None)
-  arrays = (cast.q, cast.q_t, cast.amax, scale_inv)
+  arrays = (cast.q, cast.q_t, cast.amax, scale_inv, None)
   cache.add(weight_reuse.primal(kernel), meta, arrays)
   return arrays
 
@@ -382,10 +388,9 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   cast (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`,
   `fp8jax.ops.norm_dense`), each input of the folded x's shape [M, K], or [M, 1] or [1, K].
   """
-  if x_prologue is not None and (meta.recipe.scales_from_tensor or reused is not None):
-    raise ValueError("x_prologue needs delayed scaling and a kernel quantized in this call "
-                     "(no reused FP8 weight): only that cast runs a prologue. Apply the "
-                     "function to x before the dot instead.")
+  if x_prologue is not None and meta.recipe.scales_from_tensor:
+    raise ValueError("x_prologue needs delayed scaling: a current-scaling cast runs no "
+                     "prologue. Apply the function to x before the dot instead.")
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
   with_prologue = {} if x_prologue is None else dict(prologue=x_prologue,
                                                      prologue_inputs=tuple(x_prologue_inputs))
@@ -407,14 +412,19 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   passed = () if fused_kernels.in_stacked_state() else (
       meta.x.scale, meta.x.amax_history, meta.kernel.scale, meta.kernel.amax_history,
       meta.grad.scale, meta.grad.amax_history, meta.grad.amax)
-  # Not for a reused FP8 weight, whose cast ran elsewhere.
-  packed = (_packed_state(meta) if fused_kernels.in_stacked_state() and reused is None
+  packed = (_packed_state(meta) if fused_kernels.in_stacked_state()
             else dict.fromkeys(_ROLES))
   if reused is not None:
-    qk, qk_t, kernel_amax, scale_inv_k = reused
+    # A weight cast before the loop over layers (`fp8jax.ops.stacked_weights`) or before
+    # the microbatch loop (`fp8jax.ops.weight_reuse`): x's cast starts the chain.
+    qk, qk_t, kernel_amax, scale_inv_k, seed = reused
+    if scale_inv_k is None:
+      scale_inv_k = (packed["kernel"] or {}).get("scale_inv", meta.kernel.scale_inv)
+    with_seed = {} if seed is None or not chain else dict(accumulator=seed)
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
-                                              known_amax=x_amax, seeds=int(chain),
-                                              pass_through=passed)
+                                              known_amax=x_amax, packed=packed["x"],
+                                              seeds=int(chain), pass_through=passed,
+                                              **with_seed, **with_prologue)
     k_amax = amax_max(meta.kernel.amax, kernel_amax)
   elif chain:
     k_cast, scale_inv_k, k_running = _quantize_matrix(

@@ -53,7 +53,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import varying_axes
 from fp8jax.ops import rms_norm as norm_math
-from fp8jax.ops import saved_activations
+from fp8jax.ops import saved_activations, stacked_weights
 from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.norm_dense import NORM_EPS, fused_layout, normalizing_prologue
@@ -126,7 +126,10 @@ def fp8_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array, meta_in: DotMeta,
   check_threaded(meta_in, "fp8_mlp")
   check_threaded(meta_out, "fp8_mlp")
   with reverse_mode_only("fp8jax.fp8_mlp", "jnp.dot and jax.nn.gelu"):
-    return _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual,
+    # Weights cast before a loop over layers (`fp8jax.ops.stacked_weights`), or None.
+    reused = (stacked_weights.supplied(w_in, layouts[0]),
+              stacked_weights.supplied(w_out, layouts[1]))
+    return _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused,
                 _Static(*layouts, jnp.dtype(w_in.dtype), jnp.dtype(w_out.dtype),
                         bool(save_fp8), None if norm is None else norm.eps,
                         residual is not None))
@@ -173,12 +176,12 @@ class _Static:
   residual: bool = False  # the sublayer s + mlp(rms_norm(s)), s = x + residual
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static):
-  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static):
+  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static)[0]
 
 
-def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static):
+def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static):
   if residual is not None:  # the sublayer: s + mlp(rms_norm(s)), s = x + residual
     x = x + residual
   norm_residuals, with_norm = None, {}
@@ -189,10 +192,10 @@ def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, static):
   # The projections' kernels are named "up" and "down" in the program (their op names,
   # which `fp8jax inspect` and `fp8jax cost` read), as `Fp8Mlp` names their variables.
   with jax.named_scope("up"):
-    h, new_in, residuals_in = matrix_fwd(x, w_in, meta_in, None, static.layout_in,
+    h, new_in, residuals_in = matrix_fwd(x, w_in, meta_in, reused[0], static.layout_in,
                                          **with_norm)
   with jax.named_scope("down"):
-    y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, None, static.layout_out,
+    y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, reused[1], static.layout_out,
                                            x_prologue=activations.GELU)
   kept = saved_activations.save(h, "gelu") if static.save_fp8 else h
   if residual is not None:
@@ -224,7 +227,8 @@ def _backward(static, residuals, cotangents):
       ds = ds + g.astype(jnp.float32)
     dx = ds.astype(dx.dtype)
     d_residual = dx if static.residual else None
-  return dx, dw_in, dw_out, meta_in, meta_out, dscale, d_residual
+  # The supplied FP8 copies of the weights get no gradient (the weights' is dw): None.
+  return dx, dw_in, dw_out, meta_in, meta_out, dscale, d_residual, None
 
 
 _mlp.defvjp(_forward, _backward)

@@ -40,7 +40,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import varying_axes
 from fp8jax.ops import rms_norm as norm_math
-from fp8jax.ops import weight_reuse
+from fp8jax.ops import stacked_weights, weight_reuse
 from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
@@ -83,7 +83,9 @@ def fp8_rms_norm_dense(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: 
     return fp8_dot_general(normed, kernel, meta, dims)
   check_threaded(meta, "fp8_rms_norm_dense")
   with reverse_mode_only("fp8jax.fp8_rms_norm_dense", "fp8jax.rms_norm and jnp.dot"):
-    return _norm_dense(x, scale, kernel, meta,
+    # A kernel cast before a loop over layers (`fp8jax.ops.stacked_weights`), or None.
+    reused = stacked_weights.supplied(kernel, layout)
+    return _norm_dense(x, scale, kernel, meta, reused,
                        _Static(layout, jnp.dtype(kernel.dtype), call.eps, call.save_fp8))
 
 
@@ -126,14 +128,14 @@ class _Static:
   save_fp8: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _norm_dense(x, scale, kernel, meta, static):
-  return _forward(x, scale, kernel, meta, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _norm_dense(x, scale, kernel, meta, reused, static):
+  return _forward(x, scale, kernel, meta, reused, static)[0]
 
 
-def _forward(x, scale, kernel, meta, static):
+def _forward(x, scale, kernel, meta, reused, static):
   r, prologue_inputs = normalizing_prologue(x, scale, static.eps)
-  y, new_meta, residuals = matrix_fwd(x, kernel, meta, None, static.layout,
+  y, new_meta, residuals = matrix_fwd(x, kernel, meta, reused, static.layout,
                                       x_prologue=activations.RMS_NORM,
                                       x_prologue_inputs=prologue_inputs)
   kept = norm_math.kept_for_backward(x, r, static.save_fp8)
@@ -148,7 +150,8 @@ def _backward(static, residuals, cotangents):
                                  static.kernel_dtype)
   dx, dscale = norm_math.backward(dh, kept, r, scale, static.save_fp8)
   meta_in = amaxes_unbatched_like(meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad))
-  return dx.astype(dh.dtype), dscale, dkernel, meta_in
+  # The supplied FP8 copies of the kernel get no gradient (the kernel's is dkernel): None.
+  return dx.astype(dh.dtype), dscale, dkernel, meta_in, None
 
 
 _norm_dense.defvjp(_forward, _backward)

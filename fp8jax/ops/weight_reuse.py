@@ -34,7 +34,7 @@ class QuantizedKernel:
   kernel: Any       # the array it was quantized from (compared by identity)
   recipe: Any
   fmt: Any
-  arrays: tuple     # (q, q_t, amax, scale_inv)
+  arrays: tuple     # (q, q_t, amax, scale_inv, None: no seed; see fp8jax.ops.dot)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,144 @@
+"""Every layer's FP8 weights cast before the loop over layers (delayed scaling).
+
+A model that scans its layers keeps each weight stacked, W [L, ...], with its FP8 state
+stacked alike. Cast inside the loop, layer l's weight costs two launches: a copy of the
+slice W[l] in float32 (a custom call reads no fused slice) and its cast; the 350m GPT's
+24 layers x 4 projections, 192 launches a step where its bf16 twin, whose slices and
+conversions XLA fuses into one kernel per weight, has 4. Under delayed scaling every
+layer's scale is known before the loop, so the weights can be cast there instead, as
+TransformerEngine casts its weights once per step::
+
+    fp8_weights = stacked_weights.cast_layers(W, n_contract, kernel_meta)   # before
+    ...loop over l, with fp8_weights[l] as the layer's scanned input:
+        with stacked_weights.supplying([(W_l, fp8_weights_l)]):           # in the layer
+          y = fp8_dense(x, W_l, meta_l)       # uses the copies made from W_l
+
+`cast_layers` is one launch per weight (`pallas_kernels.cast_transpose_stacked`: reads
+the float32 stack once, writes each layer's FP8 copy and transposed copy into buffers of
+their own, and each layer's max|W[l]|); the loop reads the copies in place. Inside
+`supplying`, an FP8 op whose kernel is the very array (`is`, through differentiation's
+tracers) paired with copies takes those copies instead of casting the kernel: the matrix
+path of `fp8_dot_general`, `fp8_rms_norm_dense` and `fp8_mlp`; it records max|W[l]| in
+the kernel role's running amax as its own cast would, and the gradient of W_l is its
+usual weight gradient. The copies are made with the scales of the stacked state each
+layer's state is sliced from, and the op descales them with its own state's: pair a
+layer's copies with that layer's ops only, and the numbers are the ones the op's own cast
+gives, bit for bit.
+
+Elsewhere (another recipe, a kernel not paired, a shape that does not match the op's
+matrix layout) the op casts its kernel itself, as without `supplying`.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from fp8jax.core.meta import Fp8Meta
+from fp8jax.mesh.axes import inside_shard_map
+from fp8jax.mesh.partitioning import shard_local_stacked_cast
+from fp8jax.ops import fused_kernels
+from fp8jax.ops.weight_reuse import primal
+
+
+class LayerWeights(NamedTuple):
+  """One weight's FP8 copies for every layer (stacked: the loop's scanned input), or for
+  one layer (the loop body's slice).
+
+  Attributes:
+    q: [L, K, N] (a layer's [K, N]): the FP8 weight, K its contracted axes folded.
+    q_t: [L, N, K] ([N, K]): its transpose, the layout the forward GEMM reads.
+    amax: float32[L] ([]): max|W[l]|, for the kernel role's running amax.
+    seed: float32[L] ([]) zeros, each layer's a buffer of its own, which the layer's
+      input cast accumulates its amax into in place (no launch initialises one).
+  """
+
+  q: jax.Array
+  q_t: jax.Array
+  amax: jax.Array
+  seed: jax.Array
+
+
+def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> LayerWeights:
+  """Each layer's FP8 weight of a stack, in one launch (on a GPU).
+
+  Args:
+    kernels: [L, ...] the weights of L layers (layer l's is kernels[l], whose first
+      `n_contract` axes are contracted, as the op's `dimension_numbers` say).
+    n_contract: how many of a layer's leading kernel axes the op contracts.
+    kernel_meta: the kernel role's `Fp8Meta` of the L layers, stacked (scale [L]).
+
+  Returns:
+    A `LayerWeights` of L layers. Not differentiated: the weight's gradient comes from
+    each layer's op.
+  """
+  if kernel_meta.recipe.scales_from_tensor:
+    raise ValueError("cast_layers casts with the layers' delayed-scaling scales, known before "
+                     f"the loop; the recipe {kernel_meta.recipe!r} makes each scale from its "
+                     "tensor in the step, so its ops cast their own weights.")
+  layers = kernels.shape[0]
+  if jnp.shape(kernel_meta.scale) != (layers,):
+    raise ValueError(f"kernel_meta must be the state of {layers} stacked layers (scale of "
+                     f"shape ({layers},)); got scale of shape {jnp.shape(kernel_meta.scale)}.")
+  if not 0 < n_contract < kernels.ndim - 1:
+    raise ValueError(f"n_contract={n_contract} must leave a contracted and a free axis of a "
+                     f"layer's kernel of shape {kernels.shape[1:]}.")
+  k = math.prod(kernels.shape[1:1 + n_contract])
+  stack = jax.lax.stop_gradient(kernels).reshape(layers, k, -1)
+  fmt = kernel_meta.fmt
+  scale = jax.lax.stop_gradient(kernel_meta.scale).astype(jnp.float32)
+
+  def reference(stack, scale):
+    qs, q_ts, amaxes, seeds = pallas_kernels.cast_transpose_stacked_reference(
+        stack, scale, fp8_dtype=fmt.dtype, fp8_max=fmt.max)
+    return jnp.stack(qs), jnp.stack(q_ts), amaxes, jnp.concatenate(seeds)
+
+  def local_kernel(stack, scale):
+    qs, q_ts, tiles, seeds = pallas_kernels.cast_transpose_stacked(
+        stack, scale, fp8_dtype=fmt.dtype, fp8_max=fmt.max)
+    # Stacked for the loop: XLA folds each layer's slice of the stack into the array it
+    # selects, so no copy is made.
+    return (jnp.stack(qs), jnp.stack(q_ts), pallas_kernels.stacked_amaxes(tiles),
+            jnp.concatenate(seeds))
+
+  if inside_shard_map():  # per-device code: the jnp form (a Pallas call would not vary)
+    return LayerWeights(*reference(stack, scale))
+  return LayerWeights(*fused_kernels.choose((stack, scale),
+                                            shard_local_stacked_cast(local_kernel), reference))
+
+
+_SUPPLIED = contextvars.ContextVar("fp8jax_supplied_weights", default=())
+
+
+@contextlib.contextmanager
+def supplying(pairs):
+  """Inside, FP8 ops whose kernel is one of `pairs`' arrays take its copies.
+
+  Args:
+    pairs: (kernel, LayerWeights of one layer) pairs: the layer's weight as its op
+      receives it (the parameter itself) and the copies `cast_layers` made of it.
+  """
+  entries = tuple((primal(kernel), weights) for kernel, weights in pairs)
+  token = _SUPPLIED.set(_SUPPLIED.get() + entries)
+  try:
+    yield
+  finally:
+    _SUPPLIED.reset(token)
+
+
+def supplied(kernel: jax.Array, layout) -> tuple | None:
+  """The copies paired with this very kernel as an op's matrix path reuses a weight's
+  (`fp8jax.ops.dot.matrix_fwd`: q, q_t, amax, None for the meta's own descale, and the
+  seed), if their matrix is the layout's [k, n]; else None."""
+  if layout is None:
+    return None
+  kernel = primal(kernel)
+  for paired, weights in _SUPPLIED.get():
+    if paired is kernel and jnp.shape(weights.q) == (layout.k, layout.n):
+      return (weights.q, weights.q_t, weights.amax, None, weights.seed)
+  return None
