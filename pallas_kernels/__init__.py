@@ -22,8 +22,8 @@
   zeroed accumulators that later launches fold their amaxes into;
   `cast_transpose_amax_in_chain_reference` its plain-jnp definition.
 * `cast_transpose_stacked`: every layer's FP8 weight of a stack [L, R, C] in one launch
-  (each layer's FP8 copy and transposed copy in buffers of their own, its tile maxima;
-  `stacked_amaxes` reduces them), for a loop over layers whose scales are known before it;
+  (each layer's FP8 copy and transposed copy in buffers of their own, its running amax
+  updated in place), for a loop over layers whose scales are known before it;
   `cast_transpose_stacked_reference` its plain-jnp definition.
 * `cast_transpose_from_amax`: current scaling's cast in one launch: given the tensor's
   amax, the kernel makes the scale, its reciprocal, the GEMMs' descales and the running
@@ -62,8 +62,7 @@ from pallas_kernels.cast_transpose_chain import (ChainedCast, cast_transpose_ama
 from pallas_kernels.cast_transpose_current import (CastFromAmax, cast_transpose_from_amax,
                                                    cast_transpose_from_amax_reference)
 from pallas_kernels.cast_transpose_stacked import (cast_transpose_stacked,
-                                                   cast_transpose_stacked_reference,
-                                                   stacked_amaxes)
+                                                   cast_transpose_stacked_reference)
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes, tile_count
 from pallas_kernels.vector_element import VectorElement, element_value
 from pallas_kernels.cast_transpose import amax as running_amax
@@ -97,7 +96,7 @@ __all__ = [
     "can_declare_varying_outputs", "cast_transpose_amax", "cast_transpose_amax_in_chain",
     "cast_transpose_amax_in_chain_reference", "cast_transpose_from_amax",
     "cast_transpose_from_amax_reference", "cast_transpose_stacked",
-    "cast_transpose_stacked_reference", "stacked_amaxes", "rows_in_use", "tile_count",
+    "cast_transpose_stacked_reference", "rows_in_use", "tile_count",
     "cast_transpose_amax_reference", "close_steps", "close_steps_reference", "flash_attention",
     "flash_attention_backward", "flash_attention_forward", "fp8_forward_reference",
     "ATTENTION_SCALE_BLOCK", "HopperAttentionBlockSizes", "hopper_attention",

@@ -32,43 +32,53 @@ def _bits(a):
 @pytest.mark.parametrize("dtype,fp8_max", [(jnp.float8_e4m3fn, E4M3_MAX),
                                            (jnp.float8_e5m2, E5M2_MAX)], ids=["e4m3", "e5m2"])
 def test_stacked_cast_kernel_matches_its_definition_bit_for_bit(dtype, fp8_max):
-  # 3 layers of [100, 72]: neither axis a multiple of the 32 x 32 tile (masked edges);
+  # 4 layers of [100, 72]: neither axis a multiple of the 32 x 32 tile (masked edges);
   # each layer its own scale, so a layer cast with another's would differ.
-  x = jax.random.normal(jax.random.key(0), (3, 100, 72), jnp.float32) * 40.0
+  x = jax.random.normal(jax.random.key(0), (4, 100, 72), jnp.float32) * 40.0
   x = x.at[0, 3, 5].set(jnp.inf).at[1, 99, 71].set(-1e9).at[2, 7, 9].set(jnp.nan)
-  scale = jnp.array([2.0, 0.5, 9.0], jnp.float32)
-  qs, q_ts, tiles, seeds = pallas_kernels.cast_transpose_stacked(
-      x, scale, fp8_dtype=dtype, fp8_max=fp8_max, block_sizes=_SMALL_TILES, interpret=True)
+  scale = jnp.array([2.0, 0.5, 9.0, 1.5], jnp.float32)
+  # Running amaxes: below the layer's max, NaN (kept), above it (kept).
+  running = jnp.array([3.0, jnp.nan, 1.0, 1e6], jnp.float32)
+  qs, q_ts, amax_out, seeds = pallas_kernels.cast_transpose_stacked(
+      x, scale, running, fp8_dtype=dtype, fp8_max=fp8_max, block_sizes=_SMALL_TILES,
+      interpret=True)
   want_q, want_q_t, want_amax, _ = pallas_kernels.cast_transpose_stacked_reference(
-      x, scale, fp8_dtype=dtype, fp8_max=fp8_max)
-  for layer in range(3):
+      x, scale, running, fp8_dtype=dtype, fp8_max=fp8_max)
+  for layer in range(4):
     np.testing.assert_array_equal(_bits(qs[layer]), _bits(want_q[layer]))
     np.testing.assert_array_equal(_bits(q_ts[layer]), _bits(want_q_t[layer]))
     np.testing.assert_array_equal(_bits(q_ts[layer]), _bits(qs[layer]).T)
     np.testing.assert_array_equal(np.asarray(seeds[layer]), [0.0])
-  amaxes = np.asarray(pallas_kernels.stacked_amaxes(tiles))
+  amaxes = np.asarray(amax_out)
   np.testing.assert_array_equal(amaxes, np.asarray(want_amax))
-  # Independent of both: the amax is max|x| per layer (inf, then 1e9, then NaN wins), the
-  # values the format's round to nearest even of the clipped product (ml_dtypes' cast).
-  assert amaxes[0] == np.inf and amaxes[1] == np.float32(1e9) and np.isnan(amaxes[2])
+  # Independent of both: max(running, max|x|) per layer (inf; the running NaN; NaN in x;
+  # the running 1e6 above the layer's max), the values the format's round to nearest even
+  # of the clipped product (ml_dtypes' cast).
+  assert amaxes[0] == np.inf and np.isnan(amaxes[1]) and np.isnan(amaxes[2])
+  assert amaxes[3] == np.float32(1e6)
   x64 = np.asarray(x, np.float64)
-  for layer in range(3):
+  for layer in range(4):
     clipped = np.clip(x64[layer] * float(scale[layer]), -fp8_max, fp8_max)
     np.testing.assert_array_equal(_bits(qs[layer]),
                                   _bits(clipped.astype(np.float32).astype(dtype)))
   assert float(qs[0][3, 5].astype(jnp.float32)) == fp8_max       # +inf saturates
   assert float(qs[1][99, 71].astype(jnp.float32)) == -fp8_max    # so does a huge value
   assert np.isnan(float(qs[2][7, 9].astype(jnp.float32)))         # NaN stays NaN
+  # Without a NaN anywhere, the amax is max(running, max|x|) exactly.
+  finite = jnp.abs(x[3])
+  assert float(jnp.max(finite)) < 1e6 and amaxes[3] == max(1e6, float(jnp.max(finite)))
 
 
 def test_stacked_cast_refuses_what_it_cannot_cast():
   x = jnp.ones((2, 16, 16), jnp.float32)
-  cast = lambda x, scale: pallas_kernels.cast_transpose_stacked(
-      x, scale, fp8_dtype=jnp.float8_e4m3fn, fp8_max=E4M3_MAX, interpret=True)
+  cast = lambda x, scale, running=jnp.zeros((2,)): pallas_kernels.cast_transpose_stacked(
+      x, scale, running, fp8_dtype=jnp.float8_e4m3fn, fp8_max=E4M3_MAX, interpret=True)
   with pytest.raises(ValueError, match=r"x must be a stack \[layers, rows, cols\]"):
     cast(x[0], jnp.ones((2,)))
   with pytest.raises(ValueError, match="one float32 scale per layer"):
     cast(x, jnp.ones((3,)))
+  with pytest.raises(ValueError, match="one float32 running amax per layer"):
+    cast(x, jnp.ones((2,)), jnp.zeros((3,)))
   with pytest.raises(TypeError, match="x has dtype int32"):
     cast(x.astype(jnp.int32), jnp.ones((2,)))
   meta = jax.tree.map(lambda *a: jnp.stack(a), *[fp8jax.init_dot_meta(DELAYED)] * 2)
@@ -132,7 +142,10 @@ def _layers_inputs():
   def randomize(meta):
     kernel = dataclasses.replace(
         meta.kernel, scale=jax.random.uniform(next(scale_keys), (LAYERS,), jnp.float32, 8, 64))
-    kernel = dataclasses.replace(kernel, scale_inv=1.0 / kernel.scale)
+    # A running amax on either side of the weights' max|W| (about 0.4), as a step that
+    # already saw a larger or a smaller tensor would have.
+    kernel = dataclasses.replace(kernel, scale_inv=1.0 / kernel.scale,
+                                 amax=jnp.array([0.1, 5.0, 0.0], jnp.float32))
     return dataclasses.replace(meta, kernel=kernel)
 
   state = {name: randomize(meta) for name, meta in state.items()}

@@ -486,8 +486,9 @@ def _shardings(mesh, layouts, batch, heads) -> tuple:
 
 
 def shard_local_stacked_cast(kernel: Callable) -> Callable:
-  """`kernel(stack [L, R, C], scale [L]) -> (q [L, R, C], q_t [L, C, R], amax [L], seed [L])`,
-  every layer's weight cast by each device on its shard (`fp8jax.ops.stacked_weights`).
+  """`kernel(stack [L, R, C], scale [L], running [L]) -> (q [L, R, C], q_t [L, C, R], amax [L],
+  seed [L])`, every layer's weight cast by each device on its shard
+  (`fp8jax.ops.stacked_weights`).
 
   Each device casts its [R, C] shard of every layer (the layer axis whole: a split one
   is gathered first, as is an axis the mesh does not divide); q keeps the stack's
@@ -497,8 +498,8 @@ def shard_local_stacked_cast(kernel: Callable) -> Callable:
   """
 
   @custom_partitioning
-  def partitioned(stack, scale):
-    return tuple(kernel(stack, scale))
+  def partitioned(stack, scale, running):
+    return tuple(kernel(stack, scale, running))
 
   def _specs(mesh, stack_shape):
     rows, cols = _divisible_spec(mesh, _LayerShard(stack_shape))
@@ -512,18 +513,19 @@ def shard_local_stacked_cast(kernel: Callable) -> Callable:
     same, transposed = _specs(mesh, arg_shapes[0])
     split_over = tuple(name for entry in same for name in axis_names(entry))
 
-    def lower_fn(stack, scale):
-      q, q_t, amaxes, seeds = kernel(stack, scale)
+    def lower_fn(stack, scale, running):
+      q, q_t, amaxes, seeds = kernel(stack, scale, running)
       return q, q_t, (jax.lax.pmax(amaxes, split_over) if split_over else amaxes), seeds
 
-    arg_shardings = (NamedSharding(mesh, same), NamedSharding(mesh, PartitionSpec()))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    arg_shardings = (NamedSharding(mesh, same), replicated, replicated)
     return mesh, lower_fn, _results(mesh, same, transposed), arg_shardings
 
   def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
     return _results(mesh, *_specs(mesh, arg_shapes[0]))
 
   return define_rules(partitioned, partition, infer_sharding_from_operands,
-                      "l r c, s -> l r c, l c r, a, b")
+                      "l r c, s, m -> l r c, l c r, a, b")
 
 
 class _LayerShard:

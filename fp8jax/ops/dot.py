@@ -133,8 +133,7 @@ def _check_x_amax(x_amax) -> None:
 
 def _reused_kernel(kernel, meta, layout):
   """The kernel's FP8 copies from earlier in the step, under `fp8jax.ops.stacked_weights`'
-  `supplying` or `fp8jax.ops.weight_reuse`; or None. (q, q_t, amax, scale_inv, seed):
-  scale_inv None where it is the meta's own, seed a zeroed accumulator for x's amax or None.
+  `supplying` or `fp8jax.ops.weight_reuse` (a `weight_reuse.ReusedKernel`); or None.
 
   While collecting, the kernel is quantized here, outside the op's custom VJP,
   so that its arrays belong to the trace that will reuse them.
@@ -151,7 +150,7 @@ def _reused_kernel(kernel, meta, layout):
   fresh = dataclasses.replace(meta, amax=jnp.zeros_like(meta.amax))
   cast, scale_inv, _ = _quantize_matrix(
       explicit_mesh.to_matrix(kernel, layout.n_contract), fresh, kernel, None)
-  arrays = (cast.q, cast.q_t, cast.amax, scale_inv, None)
+  arrays = weight_reuse.ReusedKernel(cast.q, cast.q_t, amax=cast.amax, scale_inv=scale_inv)
   cache.add(weight_reuse.primal(kernel), meta, arrays)
   return arrays
 
@@ -417,15 +416,16 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   if reused is not None:
     # A weight cast before the loop over layers (`fp8jax.ops.stacked_weights`) or before
     # the microbatch loop (`fp8jax.ops.weight_reuse`): x's cast starts the chain.
-    qk, qk_t, kernel_amax, scale_inv_k, seed = reused
+    qk, qk_t, scale_inv_k = reused.q, reused.q_t, reused.scale_inv
     if scale_inv_k is None:
       scale_inv_k = (packed["kernel"] or {}).get("scale_inv", meta.kernel.scale_inv)
-    with_seed = {} if seed is None or not chain else dict(accumulator=seed)
+    with_seed = {} if reused.seed is None or not chain else dict(accumulator=reused.seed)
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
                                               known_amax=x_amax, packed=packed["x"],
                                               seeds=int(chain), pass_through=passed,
                                               **with_seed, **with_prologue)
-    k_amax = amax_max(meta.kernel.amax, kernel_amax)
+    k_amax = (reused.running_amax if reused.running_amax is not None
+              else amax_max(meta.kernel.amax, reused.amax))
   elif chain:
     k_cast, scale_inv_k, k_running = _quantize_matrix(
         explicit_mesh.to_matrix(kernel, layout.n_contract), meta.kernel, kernel, None,

@@ -15,12 +15,13 @@ TransformerEngine casts its weights once per step::
 
 `cast_layers` is one launch per weight (`pallas_kernels.cast_transpose_stacked`: reads
 the float32 stack once, writes each layer's FP8 copy and transposed copy into buffers of
-their own, and each layer's max|W[l]|); the loop reads the copies in place. Inside
+their own, and folds max|W[l]| into the layer's running amax in place); the loop reads
+the copies in place. Inside
 `supplying`, an FP8 op whose kernel is the very array (`is`, through differentiation's
 tracers) paired with copies takes those copies instead of casting the kernel: the matrix
-path of `fp8_dot_general`, `fp8_rms_norm_dense` and `fp8_mlp`; it records max|W[l]| in
-the kernel role's running amax as its own cast would, and the gradient of W_l is its
-usual weight gradient. The copies are made with the scales of the stacked state each
+path of `fp8_dot_general`, `fp8_rms_norm_dense` and `fp8_mlp`; its kernel role's new
+running amax is the one the stacked cast made, as its own cast would have made it, and
+the gradient of W_l is its usual weight gradient. The copies are made with the scales of the stacked state each
 layer's state is sliced from, and the op descales them with its own state's: pair a
 layer's copies with that layer's ops only, and the numbers are the ones the op's own cast
 gives, bit for bit.
@@ -43,7 +44,7 @@ from fp8jax.core.meta import Fp8Meta
 from fp8jax.mesh.axes import inside_shard_map
 from fp8jax.mesh.partitioning import shard_local_stacked_cast
 from fp8jax.ops import fused_kernels
-from fp8jax.ops.weight_reuse import primal
+from fp8jax.ops.weight_reuse import ReusedKernel, primal
 
 
 class LayerWeights(NamedTuple):
@@ -53,7 +54,7 @@ class LayerWeights(NamedTuple):
   Attributes:
     q: [L, K, N] (a layer's [K, N]): the FP8 weight, K its contracted axes folded.
     q_t: [L, N, K] ([N, K]): its transpose, the layout the forward GEMM reads.
-    amax: float32[L] ([]): max|W[l]|, for the kernel role's running amax.
+    amax: float32[L] ([]): the kernel role's new running amax, max(the state's, max|W[l]|).
     seed: float32[L] ([]) zeros, each layer's a buffer of its own, which the layer's
       input cast accumulates its amax into in place (no launch initialises one).
   """
@@ -93,23 +94,26 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
   fmt = kernel_meta.fmt
   scale = jax.lax.stop_gradient(kernel_meta.scale).astype(jnp.float32)
 
-  def reference(stack, scale):
+  running = jax.lax.stop_gradient(kernel_meta.amax).astype(jnp.float32)
+
+  def reference(stack, scale, running):
     qs, q_ts, amaxes, seeds = pallas_kernels.cast_transpose_stacked_reference(
-        stack, scale, fp8_dtype=fmt.dtype, fp8_max=fmt.max)
+        stack, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max)
     return jnp.stack(qs), jnp.stack(q_ts), amaxes, jnp.concatenate(seeds)
 
-  def local_kernel(stack, scale):
-    qs, q_ts, tiles, seeds = pallas_kernels.cast_transpose_stacked(
-        stack, scale, fp8_dtype=fmt.dtype, fp8_max=fmt.max)
+  def local_kernel(stack, scale, running):
+    qs, q_ts, amaxes, seeds = pallas_kernels.cast_transpose_stacked(
+        stack, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max)
     # Stacked for the loop: XLA folds each layer's slice of the stack into the array it
-    # selects, so no copy is made.
-    return (jnp.stack(qs), jnp.stack(q_ts), pallas_kernels.stacked_amaxes(tiles),
-            jnp.concatenate(seeds))
+    # selects, so no copy is made; and the layers' new running amaxes, stacked back into
+    # the state by the loop, into this vector.
+    return jnp.stack(qs), jnp.stack(q_ts), amaxes, jnp.concatenate(seeds)
 
+  args = (stack, scale, running)
   if inside_shard_map():  # per-device code: the jnp form (a Pallas call would not vary)
-    return LayerWeights(*reference(stack, scale))
-  return LayerWeights(*fused_kernels.choose((stack, scale),
-                                            shard_local_stacked_cast(local_kernel), reference))
+    return LayerWeights(*reference(*args))
+  return LayerWeights(*fused_kernels.choose(args, shard_local_stacked_cast(local_kernel),
+                                            reference))
 
 
 _SUPPLIED = contextvars.ContextVar("fp8jax_supplied_weights", default=())
@@ -133,12 +137,13 @@ def supplying(pairs):
 
 def supplied(kernel: jax.Array, layout) -> tuple | None:
   """The copies paired with this very kernel as an op's matrix path reuses a weight's
-  (`fp8jax.ops.dot.matrix_fwd`: q, q_t, amax, None for the meta's own descale, and the
-  seed), if their matrix is the layout's [k, n]; else None."""
+  (a `weight_reuse.ReusedKernel`, the op's state's own descale), if their matrix is the
+  layout's [k, n]; else None."""
   if layout is None:
     return None
   kernel = primal(kernel)
   for paired, weights in _SUPPLIED.get():
     if paired is kernel and jnp.shape(weights.q) == (layout.k, layout.n):
-      return (weights.q, weights.q_t, weights.amax, None, weights.seed)
+      return ReusedKernel(weights.q, weights.q_t, running_amax=weights.amax,
+                          seed=weights.seed)
   return None

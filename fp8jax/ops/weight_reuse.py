@@ -20,11 +20,32 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from fp8jax.ops.guards import current_trace
 
 _CURRENT = contextvars.ContextVar("fp8jax_weight_cache", default=None)
+
+
+class ReusedKernel(NamedTuple):
+  """A kernel's FP8 copies made before its op, as the op's matrix path takes them
+  (`fp8jax.ops.dot.matrix_fwd`): here, or cast before a loop over layers
+  (`fp8jax.ops.stacked_weights`).
+
+  Attributes:
+    q, q_t: the FP8 kernel [K, N] and its transpose.
+    amax: max|kernel|, to fold into the op's running amax; or None with `running_amax`.
+    running_amax: the kernel role's new running amax itself (already folded), or None.
+    scale_inv: the descale the copies were made with; None: the op's state's own.
+    seed: a zeroed float32 buffer for x's cast to accumulate its amax into, or None.
+  """
+
+  q: Any
+  q_t: Any
+  amax: Any = None
+  running_amax: Any = None
+  scale_inv: Any = None
+  seed: Any = None
 
 
 @dataclasses.dataclass
@@ -34,7 +55,7 @@ class QuantizedKernel:
   kernel: Any       # the array it was quantized from (compared by identity)
   recipe: Any
   fmt: Any
-  arrays: tuple     # (q, q_t, amax, scale_inv, None: no seed; see fp8jax.ops.dot)
+  arrays: ReusedKernel
 
 
 @dataclasses.dataclass
@@ -60,7 +81,7 @@ class WeightCache:
     return self.trace is not None and current_trace() == self.trace
 
   def add(self, kernel, meta, arrays) -> None:
-    self.entries.append(QuantizedKernel(kernel, meta.recipe, meta.fmt, tuple(arrays)))
+    self.entries.append(QuantizedKernel(kernel, meta.recipe, meta.fmt, arrays))
 
   def take(self, kernel, meta) -> tuple | None:
     """The next recorded quantization if it was made from `kernel` under `meta`'s recipe."""
