@@ -50,7 +50,7 @@ ROLES_PER_CALL = 32
 
 def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
                 amax_compute_algo: str, other_amaxes=None, packed: bool = False,
-                interpret: bool = False):
+                in_place=None, interpret: bool = False):
   """Closes one delayed-scaling step for every role, in ceil(roles / 32) launches.
 
   Args:
@@ -69,6 +69,11 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
       makes the concatenation one small kernel, where the slices would be a
       kernel each. Inside `shard_map` only arrays that vary alike are packed
       (each output must vary as what it is computed from).
+    in_place: optional sequence of bools, one per role: write the role's new history over
+      its old one (an input/output alias; not with `packed`). For a history that is the
+      step's own state, donated: XLA then updates it where it is instead of copying the
+      result there after the launch. Not for one an earlier kernel wrote (a cast's copy):
+      there the result would be copied into the state's buffer instead.
     interpret: run the Pallas interpreter (CPU).
 
   Returns:
@@ -76,6 +81,10 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
     amaxes are 0.
   """
   _check(amaxes, histories, scales, numerators, history_len, amax_compute_algo, other_amaxes)
+  in_place = tuple(bool(v) for v in in_place) if in_place is not None else (False,) * len(amaxes)
+  if len(in_place) != len(amaxes):
+    raise ValueError(f"in_place has {len(in_place)} entries for {len(amaxes)} roles; give one "
+                     "per role.")
   outputs = ([], [], [], [])
   for start in range(0, len(amaxes), ROLES_PER_CALL):
     part = slice(start, start + ROLES_PER_CALL)
@@ -88,7 +97,7 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
       vector = jnp.concatenate(flat)
       arrays = [(vector,) if kind else () for kind in arrays]
     results = _close_call(*arrays, tuple(float(v) for v in numerators[part]), rows, history_len,
-                          amax_compute_algo, pack, interpret)
+                          amax_compute_algo, pack, () if pack else in_place[part], interpret)
     for collected, produced in zip(outputs, results):
       collected.extend(produced)
   return outputs
@@ -247,9 +256,9 @@ def _packed_role(ref, i, row_counts, history_len, has_other):
   return (ref, ref if has_other else None, ref, ref), starts
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9, 10))
 def _close_call(amaxes, others, histories, scales, numerators, row_counts, history_len, algo,
-                packed, interpret):
+                packed, in_place, interpret):
   """One launch. Each input is a tuple with one array per role; or (`packed`) each is
   a 1-tuple of the same vector holding all of them (`_close_kernel`)."""
   roles = len(row_counts)
@@ -277,6 +286,16 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
                              has_other=bool(others), packed=packed)
   flat = pl.pallas_call(
       kernel, out_shape=out_shape, interpret=interpret, name="fp8_scale_update",
+      input_output_aliases=_history_aliases(roles, bool(others), in_place, histories, rolled),
       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
   )(*operands)
   return tuple(list(flat[k * roles:(k + 1) * roles]) for k in range(4))
+
+
+def _history_aliases(roles, has_other, in_place, histories, rolled) -> dict:
+  """The input/output aliases that write each `in_place` role's new history over its old
+  one. Safe in place: one program updates a role after it has loaded all of it. Not where
+  the output would vary over other `shard_map` axes than the input."""
+  histories_at = roles * (2 if has_other else 1)
+  return {histories_at + i: 2 * roles + i for i in range(roles)
+          if in_place and in_place[i] and rolled[i] == varying_axes(histories[i])}

@@ -45,10 +45,15 @@ def _assert_bitwise(got, want):
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["per_role", "packed"])
+@pytest.mark.parametrize("packed", [False, True, "in_place"],
+                         ids=["per_role", "packed", "in_place"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("history_len", [1, 5, 16])
 def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
+  # "in_place": per role, the stacked roles' histories written over the old ones (the
+  # roll reads a whole history before it writes it back shifted).
+  in_place = [True, True, False, True] if packed == "in_place" else None
+  packed = packed is True
   rng = np.random.default_rng(history_len * 10 + (algo == "max"))
   # Unstacked roles (1 row) and stacked ones (3 and 9 rows: not powers of two).
   amaxes, histories, scales = _roles(rng, [1, 3, 1, 9], history_len)
@@ -58,7 +63,8 @@ def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
   for other_amaxes in (None, others):
     kwargs = dict(numerators=numerators, history_len=history_len, amax_compute_algo=algo,
                   other_amaxes=other_amaxes)
-    got = close_steps(amaxes, histories, scales, packed=packed, interpret=True, **kwargs)
+    got = close_steps(amaxes, histories, scales, packed=packed, in_place=in_place,
+                      interpret=True, **kwargs)
     want = close_steps_reference(amaxes, histories, scales, **kwargs)
     _assert_bitwise(got, want)
 
@@ -107,6 +113,9 @@ def test_mismatched_roles_raise_clear_errors():
     close_steps(one, one, one, [448.0], history_len=4, amax_compute_algo="max")
   with pytest.raises(ValueError, match="amax_compute_algo"):
     close_steps(one, one, one, [448.0], history_len=1, amax_compute_algo="mean")
+  with pytest.raises(ValueError, match="in_place has 2 entries for 1 roles"):
+    close_steps(one, one, one, [448.0], history_len=1, amax_compute_algo="max",
+                in_place=[True, False])
 
 
 @pytest.mark.hopper

@@ -550,11 +550,13 @@ def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_
   def kernel(amaxes, other_amaxes, histories, scales):
     # Inside shard_map the state arrives as slices of one all-reduced vector
     # (`fp8jax.all_reduce_amax`); packed, they fold back into it instead of
-    # each slice being a kernel.
+    # each slice being a kernel. A stacked role's history (a scanned stack of layers'
+    # state, which the casts read in place and copy nothing of: `stacked_state`) is the
+    # step's own, updated where it is (the 350m GPT: 17 copies fewer).
     return pallas_kernels.close_steps(
         amaxes, histories, scales, numerators=numerators, history_len=history_len,
         amax_compute_algo=amax_compute_algo, other_amaxes=other_amaxes,
-        packed=inside_shard_map())
+        packed=inside_shard_map(), in_place=[jnp.shape(a)[0] > 1 for a in amaxes])
 
   return choose((amaxes, other_amaxes, histories, scales), kernel, reference)
 
