@@ -273,3 +273,46 @@ def test_memory_guide_table_is_the_recorded_three_seeds():
     assert variant["within_bf16_seed_spread"]
   low, high = record["variants"]["bf16"]["seed_spread"]
   assert f"max - min over the seeds, {high - low:.3f})" in text
+
+
+def test_flax_guide_stack_casts_its_weights_before_the_loop_and_computes_the_same(
+    monkeypatch):
+  """The flax guide's scanned stack of blocks: its FP8 layers take the copies cast before
+  the loop (4 projections of the block), and the model computes bit for bit what it
+  computes when each layer casts its own weights."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import fp8jax
+  from fp8jax.flax import linen as fp8nn
+  from fp8jax.flax import linen_stacked
+  from fp8jax.ops import stacked_weights
+  snippet = _python_block_after(GUIDES / "flax.md", "## A transformer block that costs",
+                                "cast_scanned_weights")
+  taken = []
+  real = stacked_weights.supplied
+  monkeypatch.setattr(stacked_weights, "supplied",
+                      lambda kernel, layout: taken.append(real(kernel, layout) is not None)
+                      or real(kernel, layout))
+
+  def run():
+    namespace = dict(nn=nn, jax=jax, jnp=jnp, fp8jax=fp8jax, fp8nn=fp8nn)
+    exec(compile(snippet, "flax.md", "exec"), namespace)
+    stack, variables, tokens = namespace["Stack"](), namespace["stack_variables"], \
+        namespace["tokens"]
+    # A second step, whose casts use the scales the first step's amaxes made.
+    _, updates = stack.apply(variables, tokens, mutable=["fp8_meta"])
+    variables = {"params": variables["params"], "fp8_meta": fp8jax.end_step(
+        updates["fp8_meta"])}
+    return stack.apply(variables, tokens, mutable=["fp8_meta"])
+
+  first = run()
+  # qkv, out, up and down took their copies in each trace of the block (flax traces a
+  # scanned body more than once); without the cast, none did.
+  assert taken.count(True) >= 4 and taken.count(True) % 4 == 0, taken
+  monkeypatch.setattr(linen_stacked, "cast_scanned_weights", lambda *args: None)
+  taken.clear()
+  own = run()
+  assert not any(taken)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(own)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

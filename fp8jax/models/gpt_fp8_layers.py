@@ -17,8 +17,8 @@ tied head (N = 256, the byte vocabulary) stays in bf16 at every size. Attention 
 `GptConfig.fp8_attention`, and with `GptConfig.experts` the experts' grouped GEMMs
 follow the recipe: "auto" decides the dense projections. Whole train steps, deviceless
 H100, `fp8jax cost --gpt SIZE --optimizer adamw --saved-activations default` ("all",
-then "auto", over bf16): small at 16 x 256: 0.91x, 0.99x; 125m at 8 x 1024: 1.14x,
-1.15x; 350m at 8 x 1024: 1.20x, 1.21x.
+then "auto", over bf16): small at 16 x 256: 0.98x, 0.99x; 125m at 8 x 1024: 1.18x,
+1.19x; 350m at 8 x 1024: 1.25x, 1.25x.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ slice W[l] in float32 (a custom call reads no fused slice) and its cast; the 350
 24 layers x 4 projections, 192 launches a step where its bf16 twin, whose slices and
 conversions XLA fuses into one kernel per weight, has 4. Under delayed scaling every
 layer's scale is known before the loop, so the weights can be cast there instead, as
-TransformerEngine casts its weights once per step::
+TransformerEngine casts its weights once per step:
 
     fp8_weights = stacked_weights.cast_layers(W, n_contract, kernel_meta)   # before
     ...loop over l, with fp8_weights[l] as the layer's scanned input:
