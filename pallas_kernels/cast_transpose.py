@@ -105,7 +105,7 @@ class CastSpec:
   row_limit: bool = False
 
 
-def _saturate(y, fp8_max: float):
+def saturate(y, fp8_max: float):
   """clip(y, -fp8_max, fp8_max) that keeps NaN on every backend.
 
   Written with comparisons rather than min/max: Triton lowers float min/max to
@@ -254,11 +254,11 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
 
   if cast is None:
     return
-  q = _saturate(x * scale.reshape(1, 1) if from_amax is not None else x * scale,
+  q = saturate(x * scale.reshape(1, 1) if from_amax is not None else x * scale,
                 cast.max).astype(cast.dtype)
-  _store(q_ref, q, mask)
+  store_masked(q_ref, q, mask)
   if cast.transpose:
-    _store(q_t_ref, q.T, None if mask is None else mask.T)
+    store_masked(q_t_ref, q.T, None if mask is None else mask.T)
 
 
 def _scale_from_amax(given, fallback, from_amax: ScaleFromAmax, interpret: bool):
@@ -299,7 +299,7 @@ def _bits_max_pair(a, b):
   return lax.bitcast_convert_type(jnp.maximum(*bits), jnp.float32)
 
 
-def _store(ref, value, mask):
+def store_masked(ref, value, mask):
   if mask is None:
     ref[...] = value
   else:

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.cast_transpose import _saturate, _store
+from pallas_kernels.cast_transpose import saturate, store_masked
 from pallas_kernels.cast_transpose_checks import check_block_sizes, check_flag, check_fp8
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, tile_mask,
                                                   tiling_for)
@@ -60,12 +60,12 @@ def _kernel(x_ref, scale_ref, amax_in_ref, *refs, layers: int, tiling, fp8_dtype
   magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
   plgpu.atomic_max(amax_ref, jnp.int32(0),
                    lax.bitcast_convert_type(jnp.max(magnitude_bits), jnp.float32))
-  q = _saturate(x * scale_ref[0], fp8_max).astype(fp8_dtype)
+  q = saturate(x * scale_ref[0], fp8_max).astype(fp8_dtype)
   for l in range(layers):
     @pl.when(layer == l)
     def _(l=l):
-      _store(q_refs[l], q, mask)
-      _store(q_t_refs[l], q.T, None if mask is None else mask.T)
+      store_masked(q_refs[l], q, mask)
+      store_masked(q_t_refs[l], q.T, None if mask is None else mask.T)
 
     @pl.when(first & (layer == l))
     def _(l=l):

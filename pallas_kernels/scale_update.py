@@ -36,6 +36,7 @@ arguments (seven or eight per role) well inside the kernel parameter limit.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ ROLES_PER_CALL = 32
 
 def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
                 amax_compute_algo: str, other_amaxes=None, packed: bool = False,
-                in_place=None, interpret: bool = False):
+                in_place: Sequence[bool] | None = None, interpret: bool = False):
   """Closes one delayed-scaling step for every role, in ceil(roles / 32) launches.
 
   Args:
@@ -85,6 +86,9 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
   if len(in_place) != len(amaxes):
     raise ValueError(f"in_place has {len(in_place)} entries for {len(amaxes)} roles; give one "
                      "per role.")
+  if packed and any(in_place):
+    raise ValueError("in_place takes per-role histories; packed=True gives the launch one "
+                     "vector of every role's. Pass one of them.")
   outputs = ([], [], [], [])
   for start in range(0, len(amaxes), ROLES_PER_CALL):
     part = slice(start, start + ROLES_PER_CALL)
@@ -178,7 +182,7 @@ def _divide(numerator, denominator, interpret):
 
 def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_scale_inv_ref,
                 out_history_ref, out_amax_ref, *, rows, starts, numerator, history_len, algo,
-                interpret):
+                in_place, interpret):
   """One role's update. Its amax, other amax, history and scale start at the element
   offsets `starts` of their refs (all 0 unless packed into one ref)."""
   amax_at, other_at, history_at, scale_at = starts
@@ -199,6 +203,10 @@ def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_
   kept_mask = (row2 < rows) & (col2 < history_len - 1)
   kept = plgpu.load(history_ref.at[history_at + row2 * history_len + col2], mask=kept_mask,
                     other=0.0)
+  if in_place and not interpret:
+    # The history is rolled over itself: every thread's load is done before any thread
+    # stores (a barrier, which the compiler moves no memory access across either).
+    plgpu.debug_barrier()
   plgpu.store(out_history_ref.at[row2 * history_len + col2 + 1], kept, mask=kept_mask)
   plgpu.store(out_history_ref.at[row * history_len], recorded, mask=row_mask)
 
@@ -218,12 +226,13 @@ def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_
 
 
 def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, has_other,
-                  packed):
+                  packed, rolled_in_place):
   """refs: the inputs, then the four outputs (one ref per role each).
 
   The inputs are one ref per role for amaxes, other amaxes (if any), histories
   and scales in that order, or (`packed`) one ref holding all of them in that
-  order, concatenated.
+  order, concatenated. `rolled_in_place[i]`: role i's history output is its input's
+  buffer.
   """
   roles = len(row_counts)
   n_inputs = 1 if packed else roles * (4 if has_other else 3)
@@ -235,7 +244,8 @@ def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, h
                            if packed else _own_role(inputs, i, roles, has_other))
     _close_role(*role_inputs, out_scale[i], out_scale_inv[i], out_history[i], out_amax[i],
                 rows=row_counts[i], starts=starts, numerator=numerators[i],
-                history_len=history_len, algo=algo, interpret=interpret)
+                history_len=history_len, algo=algo, in_place=rolled_in_place[i],
+                interpret=interpret)
 
 
 def _own_role(inputs, i, roles, has_other):
@@ -281,12 +291,15 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
   out_shape = (*vector(row_counts, scaled), *vector(row_counts, scaled),
                *vector([rows * history_len for rows in row_counts], rolled),
                *vector(row_counts, recorded))
+  aliases = _history_aliases(roles, bool(others), in_place, histories, rolled)
   kernel = functools.partial(_close_kernel, row_counts=row_counts, numerators=numerators,
                              history_len=history_len, algo=algo, interpret=interpret,
-                             has_other=bool(others), packed=packed)
+                             has_other=bool(others), packed=packed,
+                             rolled_in_place=tuple(2 * roles + i in aliases.values()
+                                                   for i in range(roles)))
   flat = pl.pallas_call(
       kernel, out_shape=out_shape, interpret=interpret, name="fp8_scale_update",
-      input_output_aliases=_history_aliases(roles, bool(others), in_place, histories, rolled),
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
   )(*operands)
   return tuple(list(flat[k * roles:(k + 1) * roles]) for k in range(4))

@@ -139,3 +139,32 @@ def test_h100_compile_is_one_kernel_with_ieee_divisions(tmp_path):
   ptx = "\n".join(open(p).read() for p in glob.glob(os.path.join(tmp_path, "*.ptx")))
   divisions = set(re.findall(r"\bdiv\.[\w.]+", ptx))
   assert "div.rn.f32" in divisions and "div.full.f32" not in divisions, divisions
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_a_history_rolled_in_place_is_aliased_and_read_whole_before_it_is_written(tmp_path):
+  """`in_place`: the stacked role's history is the kernel's output buffer (an input/output
+  alias in the compiled program, so a donated state is updated where it is), and the PTX
+  has a barrier between the roll's loads and its stores (the threads of the launch read
+  the whole history before any writes over it)."""
+  spec = jax.ShapeDtypeStruct
+  rows = [3, 1]  # a stacked role, rolled in place, and one that is not
+  amaxes = [spec((n,), jnp.float32) for n in rows]
+  histories = [spec((n * 16,), jnp.float32) for n in rows]
+  close = lambda in_place: (lambda a, h, s: close_steps(
+      a, h, s, [448.0] * 2, history_len=16, amax_compute_algo="max", in_place=in_place))
+  jaxpr = str(jax.make_jaxpr(close([True, False]))(amaxes, histories, amaxes))
+  # Inputs: amaxes 0-1, histories 2-3, scales 4-5; outputs: scales 0-1, scale_invs 2-3,
+  # histories 4-5: the first role's history (input 2) is its output 4.
+  assert re.search(r"input_output_aliases=\(\(2, 4\),\)", jaxpr), jaxpr
+  assert "input_output_aliases=()" in str(jax.make_jaxpr(close(None))(
+      amaxes, histories, amaxes))
+  barriers = {}
+  for in_place in (None, [True, False]):
+    dump = tmp_path / str(bool(in_place))
+    deviceless.compile_for_h100(close(in_place), amaxes, histories, amaxes,
+                                dump_dir=str(dump))
+    ptx = "\n".join(open(p).read() for p in glob.glob(os.path.join(dump, "*.ptx")))
+    barriers[bool(in_place)] = len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx))
+  assert barriers[True] > barriers[False], barriers

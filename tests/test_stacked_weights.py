@@ -180,27 +180,35 @@ def _assert_same(got, want):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_ops_given_weights_cast_before_the_loop_compute_the_same_step():
+def _supplied_and_own(monkeypatch):
+  calls = _spy_on_pairing(monkeypatch)
   inputs = _layers_inputs()
-  _assert_same(_layers_step(True)(*inputs), _layers_step(False)(*inputs))
+  supplied = _layers_step(True)(*inputs)
+  # Every op of every layer took its copies: proj [D, D], up [D, F], down [F, D].
+  assert calls and all(found for *_, found in calls), calls
+  assert {(k, n) for k, n, _ in calls} == {(D, D), (D, F), (F, D)}, calls
+  calls.clear()
+  own = _layers_step(False)(*inputs)
+  assert not any(found for *_, found in calls), calls
+  return supplied, own
 
 
-def test_the_stacked_kernel_in_the_interpreter_gives_the_same_step(interpreted_kernels):
-  inputs = _layers_inputs()
-  _assert_same(_layers_step(True)(*inputs), _layers_step(False)(*inputs))
+def test_ops_given_weights_cast_before_the_loop_compute_the_same_step(monkeypatch):
+  _assert_same(*_supplied_and_own(monkeypatch))
+
+
+def test_the_stacked_kernel_in_the_interpreter_gives_the_same_step(interpreted_kernels,
+                                                                   monkeypatch):
+  _assert_same(*_supplied_and_own(monkeypatch))
 
 
 def test_only_the_paired_kernel_of_matching_shape_takes_the_copies(monkeypatch):
-  taken = []
-  real = stacked_weights.supplied
-  monkeypatch.setattr(stacked_weights, "supplied",
-                      lambda kernel, layout: taken.append(real(kernel, layout) is not None)
-                      or real(kernel, layout))
   params, state, x = _layers_inputs()
   meta = jax.tree.map(lambda a: a[0], state["proj"])
   copies = jax.tree.map(lambda a: a[0],
                         stacked_weights.cast_layers(params["proj"], 1, state["proj"].kernel))
   w = params["proj"][0]
+  calls = _spy_on_pairing(monkeypatch)
   with stacked_weights.supplying([(w, copies)]):
     fp8jax.fp8_dense(x, w, None, meta)              # the paired array: copies taken
     fp8jax.fp8_dense(x, w + 0.0, None, meta)        # equal values, another array: own cast
@@ -208,39 +216,71 @@ def test_only_the_paired_kernel_of_matching_shape_takes_the_copies(monkeypatch):
                                          copies.seed)
   with stacked_weights.supplying([(w, other)]):     # copies of another shape: own cast
     fp8jax.fp8_dense(x, w, None, meta)
-  assert taken == [True, False, False]
+  with stacked_weights.supplying([(w, other)]):     # the innermost pairing wins
+    with stacked_weights.supplying([(w, copies)]):
+      fp8jax.fp8_dense(x, w, None, meta)
+  assert [found for *_, found in calls] == [True, False, False, True]
 
 
-# ----- The demo GPT -------------------------------------------------------------------
+def _spy_on_pairing(monkeypatch) -> list:
+  """Records (k, n, took copies) of every FP8 op's lookup of supplied weights."""
+  calls = []
+  real = stacked_weights.supplied
+
+  def spy(kernel, layout):
+    found = real(kernel, layout)
+    if layout is not None:
+      calls.append((layout.k, layout.n, found is not None))
+    return found
+
+  monkeypatch.setattr(stacked_weights, "supplied", spy)
+  return calls
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
-def test_gpt_casting_its_weights_first_trains_bit_for_bit_as_before(remat, monkeypatch):
+# The tiny GPT's matrices (d 128, 2 heads of 64, d_ff 512, the byte vocabulary):
+# qkv, out, up, down of a block, and the tied head, which is not in the loop.
+_BLOCK_MATRICES = {(128, 384), (128, 128), (128, 512), (512, 128)}
+_HEAD = (128, 256)
+
+
+def _gpt_steps(config, variables, tokens, accumulate: bool):
+  model = gpt.Gpt(config, DELAYED)
+
+  def loss_fn(params, fp8_state, tokens):
+    logits, updates = model.apply({"params": params, "fp8_meta": fp8_state}, tokens,
+                                  mutable=["fp8_meta"])
+    return jnp.mean(logits ** 2), updates["fp8_meta"]
+
+  if accumulate:  # two microbatches of one sequence each
+    step = jax.jit(lambda p, s, t: fp8jax.accumulate_gradients(loss_fn, p, s,
+                                                               t.reshape(2, 1, -1)))
+  else:
+    step = jax.jit(fp8jax.value_and_grad(loss_fn))
+  params, state = variables["params"], variables["fp8_meta"]
+  # Three steps: the later ones cast with scales the first steps' amaxes made.
+  for _ in range(3):
+    loss, grads, state = step(params, state, tokens)
+    params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+  return loss, grads, state
+
+
+@pytest.mark.parametrize("remat,accumulate", [(False, False), (True, False), (False, True)],
+                         ids=["stored", "remat", "accumulated"])
+def test_gpt_casting_its_weights_first_trains_bit_for_bit_as_before(remat, accumulate,
+                                                                    monkeypatch):
   config = gpt.config_for("tiny", seq_len=32, n_layers=2, remat=remat)
   tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, 256, jnp.int32)
   variables = jax.jit(gpt.Gpt(config, DELAYED).init)(jax.random.key(0), tokens)
-  taken = []
-  real = stacked_weights.supplied
-  monkeypatch.setattr(stacked_weights, "supplied",
-                      lambda kernel, layout: taken.append(real(kernel, layout) is not None)
-                      or real(kernel, layout))
+  calls = _spy_on_pairing(monkeypatch)
   results = {}
   for first in (False, True):
-    model = gpt.Gpt(dataclasses.replace(config, cast_weights_first=first), DELAYED)
-
-    def loss_fn(params, fp8_state, tokens, model=model):
-      logits, updates = model.apply({"params": params, "fp8_meta": fp8_state}, tokens,
-                                    mutable=["fp8_meta"])
-      return jnp.mean(logits ** 2), updates["fp8_meta"]
-
-    step = jax.jit(fp8jax.value_and_grad(loss_fn))
-    params, state = variables["params"], variables["fp8_meta"]
-    # Three steps: the later ones cast with scales the first steps' amaxes made.
-    for _ in range(3):
-      loss, grads, state = step(params, state, tokens)
-      params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
-    results[first] = (loss, grads, state)
+    calls.clear()
+    results[first] = _gpt_steps(dataclasses.replace(config, cast_weights_first=first),
+                                variables, tokens, accumulate)
+    took = {(k, n) for k, n, found in calls if found}
+    # Cast first, each of a block's four projections took its copies and nothing else
+    # did; otherwise none did.
+    assert took == (_BLOCK_MATRICES if first else set()), calls
+    assert {(k, n) for k, n, found in calls if not found} == (
+        {_HEAD} if first else _BLOCK_MATRICES | {_HEAD}), calls
   _assert_same(results[True], results[False])
-  # With the weights cast first, qkv, out, up and down of the block took the copies (the
-  # head, not in the loop, casts its own); without, nothing was paired.
-  assert taken.count(True) >= 4, taken

@@ -27,8 +27,15 @@ projection), where the layer keeps its "kernel" param and its "dot_meta" state, 
 many of the kernel's leading axes it contracts (1 for `Fp8Dense`, `len(axis)` for
 `Fp8DenseGeneral`). Projections whose state follows another recipe than delayed scaling
 on the matrix path are left to cast their own weights; so is everything while the model
-is initialized (no params yet) or inside `fp8jax.accumulate_gradients`, which casts each
-weight once for all microbatches itself. The numbers are the same bit for bit.
+is initialized (no params yet). Under `fp8jax.accumulate_gradients` the weights are cast
+once per microbatch, one launch per projection (its own reuse of a weight's cast across
+microbatches applies where the loss's ops are traced, not inside a scanned layer). The
+numbers are the same bit for bit.
+
+Every layer's FP8 copies (two bytes per weight) then live through the step, under
+`nn.remat` too, where the layers would otherwise recompute them (0.6 GB at the demo GPT's
+350m). With a fully unrolled scan each layer reads its copies in place; a rolled one
+(`unroll` < length) slices them out of the stack each iteration, FP8 instead of float32.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from typing import Any
 import flax.linen as nn
 
 from fp8jax.flax.linen import FP8_COLLECTION
-from fp8jax.ops import stacked_weights, weight_reuse
+from fp8jax.ops import stacked_weights
 
 
 def cast_scanned_weights(module: nn.Module, scan_name: str,
@@ -53,10 +60,10 @@ def cast_scanned_weights(module: nn.Module, scan_name: str,
 
   Returns:
     {path: `stacked_weights.LayerWeights` of every layer} to pass as the scan's input,
-    or None where nothing is cast (initializing, under `accumulate_gradients`, or no
-    projection follows delayed scaling).
+    or None where nothing is cast (initializing, or no projection follows delayed
+    scaling).
   """
-  if module.is_initializing() or weight_reuse.current() is not None:
+  if module.is_initializing():
     return None
   params = _get(module.variables, ("params", scan_name))
   state = _get(module.variables, (FP8_COLLECTION, scan_name))

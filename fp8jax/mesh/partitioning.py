@@ -495,6 +495,8 @@ def shard_local_stacked_cast(kernel: Callable) -> Callable:
   sharding and q_t has its two last axes' swapped, so nothing is gathered (under FSDP
   XLA gathers each layer's FP8 copy where its GEMM reads it, in FP8). The amaxes are made
   global by a max over the mesh axes that split a layer; the seeds (zeros) are replicated.
+  The layer axis is never split (a factor the rule replicates): a stack sharded over its
+  layers is gathered first.
   """
 
   @custom_partitioning
@@ -525,7 +527,7 @@ def shard_local_stacked_cast(kernel: Callable) -> Callable:
     return _results(mesh, *_specs(mesh, arg_shapes[0]))
 
   return define_rules(partitioned, partition, infer_sharding_from_operands,
-                      "l r c, s, m -> l r c, l c r, a, b")
+                      "l r c, l, l -> l r c, l c r, l, l", need_replication_factors=("l",))
 
 
 class _LayerShard:

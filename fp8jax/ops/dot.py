@@ -458,7 +458,8 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   # The backward pass reads x only as x^T (wgrad) and the kernel only as is (dgrad);
   # the output gradient's cast accumulates its amax into the zeroed buffer x's left.
   # Named, x's are what `saved_activations.policy()` keeps under remat (the kernel's
-  # copy is recomputed from the kernel, which remat keeps).
+  # copy is recomputed from the kernel, which remat keeps, unless it was cast before the
+  # loop over layers and is the layer's input).
   qx_t, scale_inv_x = saved_activations.named(x_cast.q_t, scale_inv_x, "dense_x")
   g_accumulator = (checkpoint_name(x_cast.seeds[0], saved_activations.GRAD_AMAX_SEED)
                    if chain else None)

@@ -548,6 +548,7 @@ def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_
   `fp8jax.step.close`), or `pallas_kernels.close_steps` doing the same in one launch."""
 
   def kernel(amaxes, other_amaxes, histories, scales):
+    packed = inside_shard_map()
     # Inside shard_map the state arrives as slices of one all-reduced vector
     # (`fp8jax.all_reduce_amax`); packed, they fold back into it instead of
     # each slice being a kernel. A stacked role's history (a scanned stack of layers'
@@ -556,7 +557,7 @@ def close_steps(amaxes, other_amaxes, histories, scales, *, numerators, history_
     return pallas_kernels.close_steps(
         amaxes, histories, scales, numerators=numerators, history_len=history_len,
         amax_compute_algo=amax_compute_algo, other_amaxes=other_amaxes,
-        packed=inside_shard_map(), in_place=[jnp.shape(a)[0] > 1 for a in amaxes])
+        packed=packed, in_place=[not packed and jnp.shape(a)[0] > 1 for a in amaxes])
 
   return choose((amaxes, other_amaxes, histories, scales), kernel, reference)
 

@@ -9,7 +9,7 @@ layer's scale is known before the loop, so the weights can be cast there instead
 TransformerEngine casts its weights once per step:
 
     fp8_weights = stacked_weights.cast_layers(W, n_contract, kernel_meta)   # before
-    ...loop over l, with fp8_weights[l] as the layer's scanned input:
+    ...loop over layers, the scan slicing fp8_weights (a LayerWeights) per layer:
         with stacked_weights.supplying([(W_l, fp8_weights_l)]):           # in the layer
           y = fp8_dense(x, W_l, meta_l)       # uses the copies made from W_l
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,11 +82,19 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
     raise ValueError("cast_layers casts with the layers' delayed-scaling scales, known before "
                      f"the loop; the recipe {kernel_meta.recipe!r} makes each scale from its "
                      "tensor in the step, so its ops cast their own weights.")
+  if not isinstance(kernel_meta, Fp8Meta):
+    raise TypeError(f"kernel_meta must be the kernel role's Fp8Meta (a DotMeta's .kernel), "
+                    f"got {type(kernel_meta).__name__}.")
+  if jnp.ndim(kernels) < 3 or not jnp.issubdtype(jnp.result_type(kernels), jnp.floating):
+    raise ValueError(f"kernels must be a floating stack [layers, ...] of at least 2-D "
+                     f"kernels; got shape {jnp.shape(kernels)} and dtype "
+                     f"{jnp.result_type(kernels)}.")
   layers = kernels.shape[0]
   if jnp.shape(kernel_meta.scale) != (layers,):
     raise ValueError(f"kernel_meta must be the state of {layers} stacked layers (scale of "
                      f"shape ({layers},)); got scale of shape {jnp.shape(kernel_meta.scale)}.")
-  if not 0 < n_contract < kernels.ndim - 1:
+  if isinstance(n_contract, bool) or not isinstance(n_contract, int) or not (
+      0 < n_contract < kernels.ndim - 1):
     raise ValueError(f"n_contract={n_contract} must leave a contracted and a free axis of a "
                      f"layer's kernel of shape {kernels.shape[1:]}.")
   k = math.prod(kernels.shape[1:1 + n_contract])
@@ -120,7 +128,7 @@ _SUPPLIED = contextvars.ContextVar("fp8jax_supplied_weights", default=())
 
 
 @contextlib.contextmanager
-def supplying(pairs):
+def supplying(pairs: Iterable[tuple[jax.Array, LayerWeights]]):
   """Inside, FP8 ops whose kernel is one of `pairs`' arrays take its copies.
 
   Args:
@@ -135,14 +143,14 @@ def supplying(pairs):
     _SUPPLIED.reset(token)
 
 
-def supplied(kernel: jax.Array, layout) -> tuple | None:
+def supplied(kernel: jax.Array, layout) -> ReusedKernel | None:
   """The copies paired with this very kernel as an op's matrix path reuses a weight's
   (a `weight_reuse.ReusedKernel`, the op's state's own descale), if their matrix is the
   layout's [k, n]; else None."""
   if layout is None:
     return None
   kernel = primal(kernel)
-  for paired, weights in _SUPPLIED.get():
+  for paired, weights in reversed(_SUPPLIED.get()):  # the innermost `supplying` first
     if paired is kernel and jnp.shape(weights.q) == (layout.k, layout.n):
       return ReusedKernel(weights.q, weights.q_t, running_amax=weights.amax,
                           seed=weights.seed)

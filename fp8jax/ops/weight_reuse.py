@@ -83,7 +83,7 @@ class WeightCache:
   def add(self, kernel, meta, arrays) -> None:
     self.entries.append(QuantizedKernel(kernel, meta.recipe, meta.fmt, arrays))
 
-  def take(self, kernel, meta) -> tuple | None:
+  def take(self, kernel, meta) -> ReusedKernel | None:
     """The next recorded quantization if it was made from `kernel` under `meta`'s recipe."""
     if self.position >= len(self.entries):
       return None
