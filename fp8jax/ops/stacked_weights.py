@@ -134,6 +134,9 @@ def supplying(pairs: Iterable[tuple[jax.Array, LayerWeights]]):
   Args:
     pairs: (kernel, LayerWeights of one layer) pairs: the layer's weight as its op
       receives it (the parameter itself) and the copies `cast_layers` made of it.
+
+  Returns:
+    A context manager (`with stacked_weights.supplying(pairs): ...`).
   """
   entries = tuple((primal(kernel), weights) for kernel, weights in pairs)
   token = _SUPPLIED.set(_SUPPLIED.get() + entries)
@@ -144,9 +147,16 @@ def supplying(pairs: Iterable[tuple[jax.Array, LayerWeights]]):
 
 
 def supplied(kernel: jax.Array, layout) -> ReusedKernel | None:
-  """The copies paired with this very kernel as an op's matrix path reuses a weight's
-  (a `weight_reuse.ReusedKernel`, the op's state's own descale), if their matrix is the
-  layout's [k, n]; else None."""
+  """The copies paired with this very kernel, for an op's matrix path.
+
+  Args:
+    kernel: the op's kernel, as the op received it.
+    layout: the op's `fp8jax.ops.dot.MatrixLayout` (None: not a matrix product).
+
+  Returns:
+    A `weight_reuse.ReusedKernel` (with the op's state's own descale) where `kernel` is
+    paired and its copies' matrix is the layout's [k, n]; else None.
+  """
   if layout is None:
     return None
   kernel = primal(kernel)
