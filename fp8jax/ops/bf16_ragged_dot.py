@@ -14,8 +14,9 @@ FLOPs of one dense GEMM per expert GEMM, as its FP8 twin does:
 with the tiling JAX's own sweep picks for an H100 (`MOSAIC_BLOCKS`); each kernel sits in
 a named scope of its name, by which `fp8jax inspect` / `fp8jax cost` know it
 (`fp8jax.lowering.grouped_gemms`). The demo GPT at 125m with 8 experts (top 2, batch 8 x
-1024), its bf16 train step compiled for an H100 without a GPU: predicted 45.96 ms on these
-kernels, 122.62 ms on XLA's expansion (`fp8jax cost --gpt 125m --experts 8 --top-k 2`).
+1024), its bf16 train step compiled for an H100 without a GPU: predicted 24.52 ms on these
+kernels, 106.64 ms on XLA's expansion (`fp8jax cost --gpt 125m --experts 8 --top-k 2
+--batch 8`).
 
 Where the kernels run: lowered for a GPU (a deviceless compile too) that is a Hopper,
 for x and w of one 16-bit dtype (bf16 or f16) whose M, K and N are positive multiples of
