@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.cast_transpose import saturate, store_masked
-from pallas_kernels.cast_transpose_checks import check_block_sizes, check_flag, check_fp8
+from pallas_kernels.cast_transpose_checks import (INPUT_DTYPES, check_block_sizes, check_flag,
+                                                  check_fp8)
 from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, tile_mask,
                                                   tiling_for)
 
@@ -155,7 +156,7 @@ def _check_stack(x, scale, amax_in) -> tuple[int, int, int]:
   if len(shape) != 3 or 0 in shape:
     raise ValueError(f"x must be a stack [layers, rows, cols] with no empty axis, got shape "
                      f"{shape}; reshape each layer's tensor to 2-D first.")
-  if jnp.result_type(x) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+  if jnp.result_type(x) not in INPUT_DTYPES:
     raise TypeError(f"x has dtype {jnp.result_type(x)}; pass bfloat16, float16 or float32.")
   if jnp.shape(scale) != shape[:1]:
     raise ValueError(f"scale must hold one float32 scale per layer, shape {shape[:1]}; got "

@@ -46,6 +46,7 @@ import flax.linen as nn
 
 from fp8jax.flax.linen import FP8_COLLECTION
 from fp8jax.ops import stacked_weights
+from fp8jax.ops.dot import delayed_matrix_path
 
 
 def cast_scanned_weights(module: nn.Module, scan_name: str,
@@ -77,8 +78,7 @@ def cast_scanned_weights(module: nn.Module, scan_name: str,
           f"projections names {path!r}, but the scan {scan_name!r} has no 'kernel' param and "
           f"'dot_meta' state at {path!r} in its layers; name a projection by its path inside "
           "a layer, e.g. 'qkv' or 'mlp/up'.")
-    recipe = meta.recipe
-    if recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision:
+    if not delayed_matrix_path(meta.recipe):
       continue
     weights[path] = stacked_weights.cast_layers(kernel, n_contract, meta.kernel)
   return weights or None

@@ -97,6 +97,7 @@ from fp8jax.models import gpt_fp8_layers, gpt_moe, gpt_weights
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
 from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
 from fp8jax.ops import fused_kernels, saved_activations
+from fp8jax.ops.dot import delayed_matrix_path
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
@@ -389,8 +390,7 @@ def _norm_in_cast(config: GptConfig, recipe: Recipe | None, projection: str) -> 
   scaling. Saves the norm's bf16 output and the pass writing it (both norms of the 350m
   step: 48 launches and 0.7 ms, deviceless H100)."""
   recipe = _projection_recipe(config, recipe, projection)
-  return recipe is not None and not (recipe.scales_from_tensor or recipe.per_operand
-                                     or recipe.high_precision)
+  return recipe is not None and delayed_matrix_path(recipe)
 
 
 def _writes_amax(recipe: Recipe | None) -> bool:

@@ -16,13 +16,8 @@ from __future__ import annotations
 from fp8jax.flax.linen_stacked import cast_scanned_weights
 from fp8jax.models import gpt_fp8_layers
 
-# A block's projections: their paths in the block, and the kernel axes each contracts.
-_PROJECTIONS = {
-    "qkv": ("attention/qkv", 1),   # [d] x [heads, 3, head_dim]
-    "out": ("attention/out", 2),   # [heads, head_dim] x [d]
-    "up": ("mlp/up", 1),           # [d] x [d_ff]
-    "down": ("mlp/down", 1),       # [d_ff] x [d]
-}
+# A block's projections (the tied head is not in the loop).
+_BLOCK_PROJECTIONS = ("qkv", "out", "up", "down")
 
 
 def cast_before_loop(module, config, recipe) -> dict | None:
@@ -35,8 +30,12 @@ def cast_before_loop(module, config, recipe) -> dict | None:
   """
   if recipe is None or not config.cast_weights_first:
     return None
-  projections = dict(
-      _PROJECTIONS[name] for name in _PROJECTIONS
-      if gpt_fp8_layers.projection_recipe(config, recipe, name) is not None
-      and not (config.experts and name in ("up", "down")))
+  projections = {}
+  for name in _BLOCK_PROJECTIONS:
+    if (gpt_fp8_layers.projection_recipe(config, recipe, name) is None
+        or (config.experts and name in ("up", "down"))):
+      continue
+    # Its path below "blocks" and the kernel axes it contracts, as the layer filter sees it.
+    info = gpt_fp8_layers.projection(config, name)
+    projections["/".join(info.path[1:])] = len(info.in_features)
   return cast_scanned_weights(module, "blocks", projections) if projections else None

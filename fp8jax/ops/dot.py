@@ -120,6 +120,19 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
     return _fp8_dot(x, kernel, meta, reused, x_amax, dims, jnp.dtype(kernel.dtype), layout)
 
 
+def delayed_matrix_path(recipe) -> bool:
+  """Whether FP8 ops under `recipe` run the matrix path's delayed-scaling casts: one scale
+  per tensor, known before the step (not made from the tensor in it), and FP8 GEMMs for
+  all three products. Only those casts apply a prologue (`fp8jax.ops.norm_dense`,
+  `fp8jax.ops.mlp`) or take a weight cast before a loop over layers
+  (`fp8jax.ops.stacked_weights`).
+
+  Returns:
+    True for such a recipe.
+  """
+  return not (recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision)
+
+
 def _check_x_amax(x_amax) -> None:
   if x_amax is None:
     return

@@ -41,7 +41,8 @@ from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import varying_axes
 from fp8jax.ops import rms_norm as norm_math
 from fp8jax.ops import stacked_weights, weight_reuse
-from fp8jax.ops.dot import MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd, matrix_layout
+from fp8jax.ops.dot import (MatrixLayout, delayed_matrix_path, fp8_dot_general, matrix_bwd,
+                            matrix_fwd, matrix_layout)
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 # The eps of an RMSNorm made by an FP8 cast, unless given (`fp8jax.rms_norm`'s default).
@@ -95,8 +96,7 @@ def fused_layout(x, kernel, meta: DotMeta, dims, *others) -> MatrixLayout | None
   `others`: further arrays the fused op reads (a norm's gains, a residual): the fused form
   runs only where none of them varies over a `shard_map` axis or is explicitly sharded.
   """
-  recipe = meta.recipe
-  if recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision:
+  if not delayed_matrix_path(meta.recipe):
     return None
   operands = (x, kernel) + tuple(o for o in others if o is not None)
   if varying_axes(*operands) or weight_reuse.current() is not None:

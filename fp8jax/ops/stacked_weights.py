@@ -78,13 +78,13 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
     A `LayerWeights` of L layers. Not differentiated: the weight's gradient comes from
     each layer's op.
   """
+  if not isinstance(kernel_meta, Fp8Meta):
+    raise TypeError(f"kernel_meta must be the kernel role's Fp8Meta (a DotMeta's .kernel), "
+                    f"got {type(kernel_meta).__name__}.")
   if kernel_meta.recipe.scales_from_tensor:
     raise ValueError("cast_layers casts with the layers' delayed-scaling scales, known before "
                      f"the loop; the recipe {kernel_meta.recipe!r} makes each scale from its "
                      "tensor in the step, so its ops cast their own weights.")
-  if not isinstance(kernel_meta, Fp8Meta):
-    raise TypeError(f"kernel_meta must be the kernel role's Fp8Meta (a DotMeta's .kernel), "
-                    f"got {type(kernel_meta).__name__}.")
   if jnp.ndim(kernels) < 3 or not jnp.issubdtype(jnp.result_type(kernels), jnp.floating):
     raise ValueError(f"kernels must be a floating stack [layers, ...] of at least 2-D "
                      f"kernels; got shape {jnp.shape(kernels)} and dtype "
@@ -101,7 +101,6 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
   stack = jax.lax.stop_gradient(kernels).reshape(layers, k, -1)
   fmt = kernel_meta.fmt
   scale = jax.lax.stop_gradient(kernel_meta.scale).astype(jnp.float32)
-
   running = jax.lax.stop_gradient(kernel_meta.amax).astype(jnp.float32)
 
   def reference(stack, scale, running):
