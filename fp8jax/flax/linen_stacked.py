@@ -84,7 +84,7 @@ def cast_scanned_weights(module: nn.Module, scan_name: str,
   return weights or None
 
 
-def layer_weights(module: nn.Module, weights: dict | None):
+def layer_weights(module: nn.Module, weights: dict | None) -> contextlib.AbstractContextManager:
   """A context in which the layer's FP8 ops take their copies from `weights`.
 
   Args:
