@@ -8,8 +8,10 @@
 * `fp8jax.lowering.memory`: the report's arithmetic and the largest-batch search.
 * The GPT step at the `small` size, deviceless: FP8 moments and FP8 saved activations
   shrink arguments and total as at `1b`, whose figures are recorded in
-  `examples/results/gpt_1b_memory_deviceless*.json` and shown in the README and the memory
-  guide (arguments <= 0.55x bf16's at batch 8, every FP8 step's total below bf16's).
+  `examples/results/gpt_1b_memory_deviceless*.json` (arguments <= 0.55x bf16's at batch
+  8, every FP8 step's total below bf16's, FP8's largest batch no smaller).
+* The README's and the memory guide's 1b tables, largest batches and the figures the guide
+  derives from them are the records'.
 """
 from __future__ import annotations
 
@@ -192,29 +194,59 @@ def _recorded_1b_rows():
                 ("+ FP8 saved activations", full["memory"]["fp8"])]
 
 
+def _table_rows(text: str) -> list:
+  """The lines of the first markdown table in `text` headed `| step |`."""
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("| step |"))
+  rows = []
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      return rows
+    rows.append(line)
+  return rows
+
+
 def test_recorded_1b_figures_are_the_readme_and_guide_tables_and_fp8_takes_less():
   full, rows = _recorded_1b_rows()
   bf16 = rows[0][1]
   gib = lambda n: f"{n / GIB:.2f} GiB"
   readme = (ROOT / "README.md").read_text()
   guide = (ROOT / "docs" / "guides" / "memory.md").read_text()
-  for label, report in rows:
-    cells = f"| {gib(report['arguments'])} | {gib(report['temp'])} | "
-    for text in (readme, guide):
-      line = next(line for line in text.splitlines() if line.startswith(f"| {label}"))
-      assert cells in line and gib(report["total"]) in line, (label, line)
-    if label != "bf16":
-      assert report["total"] < bf16["total"], label
+  fit = full["fit"]
+  assert fit["capacity"] == 80 * GIB
+  for text in (readme, guide):
+    table = _table_rows(text)
+    assert len(table) == len(rows), table
+    for (label, report), line in zip(rows, table):
+      assert line.startswith(f"| {label}"), (label, line)
+      assert f"| {gib(report['arguments'])} | {gib(report['temp'])} | " in line, line
+      assert gib(report["total"]) in line, line
+      if text is guide:  # its share of the 80 GiB
+        assert f"| {round(100 * report['total'] / fit['capacity'])}% " in line, line
+    ratio = f"{rows[3][1]['total'] / bf16['total']:.2f}x bf16"
+    assert ratio in table[3], (ratio, table[3])
+  for label, report in rows[1:]:
+    assert report["total"] < bf16["total"], label
   # The FP8 moments: 2.1 bytes per parameter for Adam's two moments instead of 8.
   assert rows[2][1]["arguments"] <= 0.55 * bf16["arguments"]
-  ratio = f"{rows[3][1]['total'] / bf16['total']:.2f}x"
-  assert ratio in readme and ratio in guide, ratio
-  fit = full["fit"]
-  fp8_batch, bf16_batch = (fit[label]["batch"] for label in
-                           ("delayed, adamw_fp8, fp8 saved", "bf16, adamw"))
-  assert fp8_batch >= bf16_batch
-  said = f"{bf16_batch} sequences in bf16, {fp8_batch} with both"
-  assert said in readme and said in " ".join(guide.split()), said
+  fp8_fit, bf16_fit = (fit[label] for label in ("delayed, adamw_fp8, fp8 saved",
+                                                "bf16, adamw"))
+  assert fp8_fit["batch"] >= bf16_fit["batch"]
+  said = (f"{bf16_fit['batch']} sequences in bf16, {fp8_fit['batch']} with all three "
+          f"({fp8_fit['batch'] / bf16_fit['batch']:.2f}x")
+  assert said in " ".join(readme.split()) and said in " ".join(guide.split()), said
+  # The guide's reading of the rows and of the batches that fit.
+  plain, with_all = rows[1][1], rows[3][1]
+  per_sequence = lambda fitted, at_8: (
+      (fitted["memory"]["temp"] - at_8["temp"]) / GIB / (fitted["batch"] - 8))
+  for figure in (f"{100 * (1 - plain['temp'] / bf16['temp']):.0f}% off bf16's temp "
+                 f"({(bf16['temp'] - plain['temp']) / GIB:.2f} GiB)",
+                 f"{(plain['temp'] - with_all['temp']) / GIB:.2f} GiB more off the temp",
+                 f"adds {per_sequence(fp8_fit, with_all):.2f} GiB of temp to the FP8 step and "
+                 f"{per_sequence(bf16_fit, bf16):.2f} GiB to bf16's",
+                 f"the {(bf16['arguments'] - with_all['arguments']) / GIB:.1f} GiB freed",
+                 f"keeps {(plain['temp'] - with_all['temp']) / GIB:.2f} GiB less temp"):
+    assert figure in " ".join(guide.split()), figure
   assert {choice["backend"] for choice in full["attention"].values()} == {"pallas_hopper"}
 
 

@@ -147,9 +147,9 @@ class GptConfig:
       False keeps attention in bf16 (`fp8jax.attention`) beside the FP8 projections.
     attention_backend: force an attention backend ("pallas", "xla", ...; see
       `fp8jax.ops.attention_backend`); None lets fp8jax choose for the compile target.
-    saved_activations: what the backward keeps of the non-GEMM ops. "default": what
-      autodiff keeps (each RMSNorm three float32 tensors per token, the GELU five bf16
-      ones of d_ff, attention's output in bf16). "fp8": their inputs in E4M3 with one
+    saved_activations: what the backward keeps of the non-GEMM ops. "default": their
+      inputs in bf16 (each RMSNorm's, 2 bytes per feature; the GELU's, 2 bytes per d_ff
+      element; attention's output). "fp8": those inputs in E4M3 with one
       scale per 1 x 128 group (`fp8jax.ops.saved_activations`): RMSNorm
       (`fp8jax.ops.rms_norm`, the residual add fused into the MLP's norm), GELU
       (`fp8jax.ops.gelu`) and, on the fused FP8 attention kernels, attention's output.
