@@ -249,3 +249,47 @@ def test_h100_mlp_step_writes_no_activation_or_its_gradient_in_bf16():
   assert not movers, report.table()
   # The activation's cast reads h once; the gradient's reads da and h.
   assert sorted(k.bytes_in // hidden for k in casts if k.bytes_in >= hidden) == [1, 2]
+
+
+def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: int) -> list:
+  """The arrays of one H100-compiled fp8_mlp step (its norm made by the up projection's
+  cast) that a forward instruction writes and a backward one reads, as 'dtype[dims]'."""
+  from fp8jax.lowering.compile import compile_program
+  from fp8jax.lowering.hlo_text import parse_hlo_module
+  params = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((d, f), jnp.float32), jax.ShapeDtypeStruct((f, d), jnp.float32),
+            jax.ShapeDtypeStruct((d,), jnp.float32))
+  meta = jax.eval_shape(lambda: fp8jax.init_dot_meta(DELAYED))
+
+  def loss(params, state):
+    x, w_in, w_out, gain = params
+    y, meta_in, meta_out = fp8_mlp(x, w_in, w_out, state["in"], state["out"],
+                                   save_fp8=save_fp8, norm_scale=gain)
+    return jnp.mean(y.astype(jnp.float32) ** 2), {"in": meta_in, "out": meta_out}
+
+  compiled, _ = compile_program(fp8jax.value_and_grad(loss), params,
+                                {"in": meta, "out": meta}, target="deviceless")
+  module = parse_hlo_module(compiled.as_text())
+  entry = module.computations[module.entry].instructions
+  backward = lambda instr: "transpose(" in instr.op_name
+  read_backward = {name for instr in entry.values() if backward(instr)
+                   for name in instr.operands}
+  return sorted(str(instr.shape) for name, instr in entry.items()
+                if name in read_backward and not backward(instr) and instr.op_name
+                and instr.shape is not None and instr.opcode != "parameter")
+
+
+@pytest.mark.hopper
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_h100_mlp_step_with_fp8_saved_activations_keeps_the_gelu_input_only_in_fp8():
+  """`save_fp8`: the backward reads the GELU's input h [tokens, F] as its FP8 copy made in
+  the forward, and no bf16 h (XLA, left alone, moved the quantization into the backward
+  and kept the bf16 h for it: 2 bytes per element instead of 1.03). Without it the
+  backward reads the bf16 h, which the check sees."""
+  tokens, d, f = 4096, 256, 1024
+  kept = {save: _forward_values_the_backward_reads(save, tokens, d, f)
+          for save in (False, True)}
+  hidden = f"bf16[{tokens},{f}]"
+  assert hidden in kept[False], kept[False]
+  assert hidden not in kept[True], kept[True]
+  assert f"f8e4m3fn[{tokens},{f}]" in kept[True], kept[True]
