@@ -251,45 +251,62 @@ def test_h100_mlp_step_writes_no_activation_or_its_gradient_in_bf16():
   assert sorted(k.bytes_in // hidden for k in casts if k.bytes_in >= hidden) == [1, 2]
 
 
-def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: int) -> list:
-  """The arrays of one H100-compiled fp8_mlp step (its norm made by the up projection's
-  cast) that a forward instruction writes and a backward one reads, as 'dtype[dims]'."""
+def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: int,
+                                       remat: bool = False) -> tuple[list, int]:
+  """One H100-compiled fp8_mlp step (its norm made by the up projection's cast; `remat`:
+  under `jax.checkpoint` with the saved-activations policy): the arrays a forward
+  instruction writes and a backward one reads, as 'dtype[dims]', and its FP8 GEMMs."""
   from fp8jax.lowering.compile import compile_program
   from fp8jax.lowering.hlo_text import parse_hlo_module
+  from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
+  from fp8jax.ops import saved_activations
   params = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((d, f), jnp.float32), jax.ShapeDtypeStruct((f, d), jnp.float32),
             jax.ShapeDtypeStruct((d,), jnp.float32))
   meta = jax.eval_shape(lambda: fp8jax.init_dot_meta(DELAYED))
 
+  def mlp(x, w_in, w_out, gain, meta_in, meta_out):
+    return fp8_mlp(x, w_in, w_out, meta_in, meta_out, save_fp8=save_fp8, norm_scale=gain)
+
+  if remat:
+    mlp = jax.checkpoint(mlp, policy=saved_activations.policy())
+
   def loss(params, state):
-    x, w_in, w_out, gain = params
-    y, meta_in, meta_out = fp8_mlp(x, w_in, w_out, state["in"], state["out"],
-                                   save_fp8=save_fp8, norm_scale=gain)
+    y, meta_in, meta_out = mlp(*params, state["in"], state["out"])
     return jnp.mean(y.astype(jnp.float32) ** 2), {"in": meta_in, "out": meta_out}
 
   compiled, _ = compile_program(fp8jax.value_and_grad(loss), params,
-                                {"in": meta, "out": meta}, target="deviceless")
-  module = parse_hlo_module(compiled.as_text())
+                                {"in": meta, "out": meta}, target="deviceless",
+                                compiler_options=dict(CUBLAS_ONLY_OPTIONS))
+  text = compiled.as_text()
+  module = parse_hlo_module(text)
   entry = module.computations[module.entry].instructions
   backward = lambda instr: "transpose(" in instr.op_name
   read_backward = {name for instr in entry.values() if backward(instr)
                    for name in instr.operands}
-  return sorted(str(instr.shape) for name, instr in entry.items()
+  kept = sorted(str(instr.shape) for name, instr in entry.items()
                 if name in read_backward and not backward(instr) and instr.op_name
                 and instr.shape is not None and instr.opcode != "parameter")
+  return kept, text.count('custom_call_target="__cublas$lt$matmul$f8"')
 
 
 @pytest.mark.hopper
 @pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
-def test_h100_mlp_step_with_fp8_saved_activations_keeps_the_gelu_input_only_in_fp8():
+def test_h100_mlp_step_with_fp8_saved_activations_keeps_the_gelu_input_only_in_fp8(
+    monkeypatch):
   """`save_fp8`: the backward reads the GELU's input h [tokens, F] as its FP8 copy made in
-  the forward, and no bf16 h (XLA, left alone, moved the quantization into the backward
-  and kept the bf16 h for it: 2 bytes per element instead of 1.03). Without it the
-  backward reads the bf16 h, which the check sees."""
+  the forward, and no bf16 h. With `save_fp8=False` it reads the bf16 h, and so it does
+  with `save_fp8` when nothing ties the copy to the forward (XLA moves the quantization
+  into the backward beside its reader and keeps h in bf16 for it): the check sees both.
+  Under the saved-activations remat policy the step keeps the copy too and recomputes
+  no GEMM (six FP8 GEMMs, as without remat)."""
   tokens, d, f = 4096, 256, 1024
-  kept = {save: _forward_values_the_backward_reads(save, tokens, d, f)
-          for save in (False, True)}
-  hidden = f"bf16[{tokens},{f}]"
-  assert hidden in kept[False], kept[False]
-  assert hidden not in kept[True], kept[True]
-  assert f"f8e4m3fn[{tokens},{f}]" in kept[True], kept[True]
+  hidden, codes = f"bf16[{tokens},{f}]", f"f8e4m3fn[{tokens},{f}]"
+  kept, gemms = _forward_values_the_backward_reads(True, tokens, d, f)
+  assert hidden not in kept and codes in kept and gemms == 6, (kept, gemms)
+  kept_remat, gemms_remat = _forward_values_the_backward_reads(True, tokens, d, f, remat=True)
+  assert hidden not in kept_remat and codes in kept_remat and gemms_remat == 6, (
+      kept_remat, gemms_remat)
+  assert hidden in _forward_values_the_backward_reads(False, tokens, d, f)[0]
+  monkeypatch.setattr(jax.lax, "optimization_barrier", lambda operand: operand)
+  assert hidden in _forward_values_the_backward_reads(True, tokens, d, f)[0]

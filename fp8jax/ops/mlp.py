@@ -178,10 +178,12 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _mlp(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static):
-  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static)[0]
+  return _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static,
+                  differentiated=False)[0]
 
 
-def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static):
+def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, static,
+             differentiated=True):
   if residual is not None:  # the sublayer: s + mlp(rms_norm(s)), s = x + residual
     x = x + residual
   norm_residuals, with_norm = None, {}
@@ -197,14 +199,15 @@ def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, st
   with jax.named_scope("down"):
     y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, reused[1], static.layout_out,
                                            x_prologue=activations.GELU)
-  kept = saved_activations.save(h, "gelu") if static.save_fp8 else h
   if residual is not None:
     y = x + y
-  if static.save_fp8:
-    # The FP8 copy is made with the output: else XLA moves the quantization into the
-    # backward, next to its one reader, and keeps h's bf16 for it instead (2 bytes per
-    # element, not 1.03: the 350m step's temp, +4 bytes per token, layer and feature).
-    kept, y = jax.lax.optimization_barrier((kept, y))
+  kept = h
+  if static.save_fp8 and differentiated:
+    # h's FP8 copy is made with the output, then named (so a remat policy keeps the copy,
+    # not the barrier): else XLA moves the quantization into the backward beside its one
+    # reader and keeps h in bf16 until then (2 bytes per d_ff element instead of 1.03).
+    codes, y = jax.lax.optimization_barrier((saved_activations.quantize_groups(h), y))
+    kept = saved_activations.SavedFp8(*saved_activations.named(*codes, "gelu"))
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   outputs = (y, amaxes_unbatched_like(meta_in, new_in), amaxes_unbatched_like(meta_out, new_out))
   return outputs, (residuals_in, residuals_out, kept, norm_residuals)
