@@ -25,6 +25,12 @@ from fp8jax import deviceless
 from fp8jax.flax.linen import Fp8Dense
 from fp8jax.flax.linen_mlp import Fp8Mlp
 from fp8jax.lowering.cost import cost
+from fp8jax.lowering.compile import compile_program
+from fp8jax.lowering.gemms import find_gemms
+from fp8jax.lowering.hlo_text import parse_hlo_module
+from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
+from fp8jax.lowering.report import GemmKind
+from fp8jax.ops import saved_activations
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.mlp import fp8_mlp
 from fp8_reference import FORMAT_TABLE, quantize_reference
@@ -256,10 +262,6 @@ def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: i
   """One H100-compiled fp8_mlp step (its norm made by the up projection's cast; `remat`:
   under `jax.checkpoint` with the saved-activations policy): the arrays a forward
   instruction writes and a backward one reads, as 'dtype[dims]', and its FP8 GEMMs."""
-  from fp8jax.lowering.compile import compile_program
-  from fp8jax.lowering.hlo_text import parse_hlo_module
-  from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS
-  from fp8jax.ops import saved_activations
   params = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((d, f), jnp.float32), jax.ShapeDtypeStruct((f, d), jnp.float32),
             jax.ShapeDtypeStruct((d,), jnp.float32))
@@ -278,8 +280,7 @@ def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: i
   compiled, _ = compile_program(fp8jax.value_and_grad(loss), params,
                                 {"in": meta, "out": meta}, target="deviceless",
                                 compiler_options=dict(CUBLAS_ONLY_OPTIONS))
-  text = compiled.as_text()
-  module = parse_hlo_module(text)
+  module = parse_hlo_module(compiled.as_text())
   entry = module.computations[module.entry].instructions
   backward = lambda instr: "transpose(" in instr.op_name
   read_backward = {name for instr in entry.values() if backward(instr)
@@ -287,7 +288,7 @@ def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: i
   kept = sorted(str(instr.shape) for name, instr in entry.items()
                 if name in read_backward and not backward(instr) and instr.op_name
                 and instr.shape is not None and instr.opcode != "parameter")
-  return kept, text.count('custom_call_target="__cublas$lt$matmul$f8"')
+  return kept, sum(gemm.kind is GemmKind.CUBLASLT_FP8 for gemm in find_gemms(module))
 
 
 @pytest.mark.hopper
