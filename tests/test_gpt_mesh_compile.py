@@ -29,6 +29,7 @@ import fp8jax
 from fp8jax import deviceless
 from fp8jax.lowering.compile import compile_text
 from fp8jax.lowering.cost import compare, cost_hlo
+from fp8jax.lowering.hlo_text import ArrayShape, parse_hlo_module
 from fp8jax.lowering.inspection import CUBLAS_ONLY_OPTIONS, inspect_hlo
 
 _MISSING = deviceless.deviceless_toolchain_missing()
@@ -40,32 +41,50 @@ LOCAL_ROWS = SEQUENCES_PER_SHARD * SEQ
 PROJECTIONS = ("attention/qkv", "attention/out", "mlp/up", "mlp/down", "head")
 ROLES = ("fp8_fprop", "fp8_dgrad", "fp8_wgrad")
 AMAX_BYTES = 1024  # the amax all-reduces carry a few float32 scalars each
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                    "collective-permute")
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def _compile(config, recipe, fsdp: bool = False) -> str:
+  """The optimized HLO of the train step on the data x model mesh, per device."""
   from fp8jax.models import gpt
   from fp8jax.models.gpt_sharding import shard_train_state
   from fp8jax.runs.steps import train_step_for
 
   mesh = deviceless.h100_mesh(data=DATA, model=MODEL)
+  model = gpt.Gpt(config, recipe=recipe)
+  tx = optax.adamw(1e-3)
+  variables = jax.eval_shape(model.init, jax.random.key(0),
+                             jax.ShapeDtypeStruct((1, SEQ), jnp.int32))
+  params = variables["params"]
+  tokens = jax.ShapeDtypeStruct((DATA * SEQUENCES_PER_SHARD, SEQ + 1), jnp.int32)
+  args = shard_train_state(mesh, params, jax.eval_shape(tx.init, params),
+                           variables.get("fp8_meta", {}), tokens, fsdp=fsdp)
+  step = train_step_for(model, tx, fp8=recipe is not None)
+  return compile_text(step, *args, compiler_options=dict(CUBLAS_ONLY_OPTIONS),
+                      target="deviceless", collect_ptx=False).hlo
+
+
+@pytest.fixture(scope="module")
+def compiled():
+  from fp8jax.models import gpt
+
   # Two of the 125m's blocks: every block compiles to the same kernels (the layers are
   # unrolled), and two show that the state and GEMMs of each are its own.
   config = gpt.config_for("125m", seq_len=SEQ, n_layers=2)
-  programs = {}
-  for label, recipe in (("fp8", fp8jax.DelayedScaling()), ("bf16", None)):
-    model = gpt.Gpt(config, recipe=recipe)
-    tx = optax.adamw(1e-3)
-    variables = jax.eval_shape(model.init, jax.random.key(0),
-                               jax.ShapeDtypeStruct((1, SEQ), jnp.int32))
-    params = variables["params"]
-    tokens = jax.ShapeDtypeStruct((DATA * SEQUENCES_PER_SHARD, SEQ + 1), jnp.int32)
-    args = shard_train_state(mesh, params, jax.eval_shape(tx.init, params),
-                             variables.get("fp8_meta", {}), tokens)
-    step = train_step_for(model, tx, fp8=recipe is not None)
-    programs[label] = compile_text(step, *args, compiler_options=dict(CUBLAS_ONLY_OPTIONS),
-                                   target="deviceless", collect_ptx=False).hlo
-  return config, programs
+  return config, {label: _compile(config, recipe)
+                  for label, recipe in (("fp8", fp8jax.DelayedScaling()), ("bf16", None))}
+
+
+@pytest.fixture(scope="module")
+def fsdp_compiled():
+  """The FP8 step with FSDP (every projection's d_model split over "data" too) and FP8
+  saved activations: before the embedding stayed whole under FSDP, this step moved
+  activations between devices (`fp8jax.models.gpt_sharding`)."""
+  from fp8jax.models import gpt
+
+  config = gpt.config_for("125m", seq_len=SEQ, n_layers=2, saved_activations="fp8")
+  return config, _compile(config, fp8jax.DelayedScaling(), fsdp=True)
 
 
 def test_every_projection_gemm_is_cublaslt_fp8(compiled):
@@ -86,6 +105,10 @@ def test_every_projection_gemm_is_cublaslt_fp8(compiled):
 
 def test_every_projection_gemm_works_on_the_local_shard(compiled):
   config, programs = compiled
+  _check_local_gemms(config, programs["fp8"])
+
+
+def _check_local_gemms(config, hlo: str) -> None:
   d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
   local_shape = {  # (in, out) of each projection's per-device GEMM
       "attention/qkv": (d, 3 * d // MODEL), "attention/out": (d // MODEL, d),
@@ -93,7 +116,7 @@ def test_every_projection_gemm_works_on_the_local_shard(compiled):
       # The tied embedding is replicated, so the head runs whole on each "model"
       # shard: the bf16 step does the same.
       "head": (d, vocab)}
-  report = cost_hlo(programs["fp8"])
+  report = cost_hlo(hlo)
   seen = collections.Counter()
   for kernel in report.kernels:
     projection = _projection(kernel.op_name) if kernel.is_gemm else None
@@ -118,6 +141,44 @@ def test_fp8_sends_only_amax_scalars_beyond_the_bf16_step(compiled):
   assert large_collectives(fp8) == large_collectives(bf16)
   comparison = compare(fp8, bf16)
   print(f"\nGPT 125m train step on data={DATA} x model={MODEL}, per device: {comparison}")
+
+
+def test_fsdp_moves_fp8_weights_and_gradients_but_no_activations(fsdp_compiled):
+  """Per device: FSDP gathers each projection's FP8 weight shard and reduce-scatters its
+  gradient; the activations move only in the tensor-parallel sums over "model", and every
+  GEMM works on the local tokens. Before the embedding stayed whole, this step also ran 15
+  all-gathers of float32 activations (the whole batch's 32 sequences) and output gradients
+  gathered over all 32,768 tokens."""
+  config, hlo = fsdp_compiled
+  _check_local_gemms(config, hlo)
+  collectives = _collectives(hlo)
+  kinds = collections.Counter(kind for kind, _ in collectives)
+  assert kinds["all-to-all"] == kinds["collective-permute"] == 0, kinds
+  assert kinds["all-gather"] >= 1 and kinds["reduce-scatter"] >= 1, kinds
+  whole_batch = DATA * SEQUENCES_PER_SHARD
+  for kind, shapes in collectives:
+    for shape in shapes:
+      # Nothing of the whole batch: no dimension of all its tokens or all its sequences.
+      assert DATA * LOCAL_ROWS not in shape.dims, (kind, shapes)
+      assert shape.dims[:2] != (whole_batch, SEQ), (kind, shapes)
+      if kind == "all-gather":
+        assert shape.dtype == "f8e4m3fn", (kind, shapes)  # the weights' FP8 copies
+  # The Megatron sums: out and down in the forward, qkv and up (dgrad) in the backward.
+  activation_sums = [shapes for kind, shapes in collectives if kind == "all-reduce"
+                     and any(shape.dims == (LOCAL_ROWS, config.d_model) for shape in shapes)]
+  assert len(activation_sums) == 4 * config.n_layers, activation_sums
+
+
+def _collectives(hlo: str) -> list[tuple[str, tuple[ArrayShape, ...]]]:
+  """(kind, the shapes of its operands and results) of every collective the program runs."""
+  module = parse_hlo_module(hlo)
+  found = []
+  for computation in module.computations.values():
+    for instruction in computation.instructions.values():
+      kind = instruction.opcode.removesuffix("-start")
+      if kind in COLLECTIVE_KINDS:
+        found.append((kind, instruction.shapes))
+  return found
 
 
 def _projection(op_name: str) -> str | None:

@@ -389,6 +389,9 @@ def test_fp8_optimizer_state_is_sharded_like_the_params_and_steps_like_one_devic
     # The codes carry the param's spec; before the fix they were matched by their
     # last two path names (".../kernel", "codes") and silently replicated.
     assert moment.codes.sharding.spec == param_spec[path], path
+    if "embed" in path:  # whole under FSDP, as its table (fp8jax.models.gpt_sharding)
+      assert moment.codes.addressable_shards[0].data.size == moment.codes.size, path
+      continue
     assert any(entry is not None for entry in moment.codes.sharding.spec), path
     assert moment.codes.addressable_shards[0].data.size < moment.codes.size, path
   got = step(*args)
@@ -397,7 +400,8 @@ def test_fp8_optimizer_state_is_sharded_like_the_params_and_steps_like_one_devic
   for (field, path), moment in _moment_leaves(got[1]).items():
     param = new_params[path]
     assert moment.codes.sharding.is_equivalent_to(param.sharding, param.ndim), (field, path)
-    assert moment.codes.addressable_shards[0].data.size < moment.codes.size, path
+    whole = moment.codes.addressable_shards[0].data.size == moment.codes.size
+    assert whole == ("embed" in path), path
 
   # Same numbers as one device. The train step's gradients themselves differ in the
   # last bits between layouts (float32 sums in another order), so the optimizer is
