@@ -35,6 +35,7 @@ from fp8jax.ops.dense import fp8_dense
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.mlp import fp8_mlp
 from fp8jax.ops.norm_dense import fp8_rms_norm_dense
+from fp8jax.ops.norm_qkv_rope import fp8_rms_norm_qkv_rope
 from fp8jax.ops.ragged_dot import fp8_ragged_dot
 from fp8jax.ops.bf16_ragged_dot import bf16_ragged_dot
 from fp8jax.ops.attention import attention, fp8_attention
@@ -59,6 +60,7 @@ __all__ = [
     "amax", "dequantize", "quantize",
     "begin_step", "close_step", "end_step", "merge_step", "scale_from_amax",
     "fp8_dot_general", "fp8_dense", "fp8_einsum", "fp8_mlp", "fp8_rms_norm_dense",
+    "fp8_rms_norm_qkv_rope",
     "RaggedDotMeta", "fp8_ragged_dot", "init_ragged_dot_meta", "bf16_ragged_dot",
     "accumulate_gradients", "calibrate", "value_and_grad", "UnthreadedStateError",
     "Fp8StateGradientError", "differentiating_fp8_state", "ForwardModeError",

@@ -21,6 +21,9 @@
   writes its tile maxima (`tile_count` of them), a later one reduces them and writes
   zeroed accumulators that later launches fold their amaxes into;
   `cast_transpose_amax_in_chain_reference` its plain-jnp definition.
+  A prologue can make the tensor cast: the GELU, its backward, an RMSNorm
+  (`pallas_kernels.activations`), or a qkv projection's output gradient from dq, dk, dv
+  and RoPE's transpose (`pallas_kernels.rotary_gradient.rotary_qkv_gradient`).
 * `cast_transpose_stacked`: every layer's FP8 weight of a stack [L, R, C] in one launch
   (each layer's FP8 copy and transposed copy in buffers of their own, its running amax
   updated in place), for a loop over layers whose scales are known before it;

@@ -56,16 +56,22 @@ class Prologue:
       `fn(x, *others)`. `fn` of zeros must be 0 (a masked edge tile reads zeros).
     inputs: how many more tensors it reads (0, 1 or 2), each of x's shape [R, C] or
       broadcast along one axis: [R, 1] (a value per row) or [1, C] (per column).
+    rotary: None, or the head_dim of the qkv output gradient made from (dq, dk, dv) and
+      RoPE's transpose (`pallas_kernels.rotary_gradient`): then `fn` is not elementwise
+      (it maps x [R, C] and 4 inputs to [R, 3 C]) and the kernel computes it its own way.
+    rotary_dtype: with `rotary`, the gradients' dtype name, which the result is rounded to.
   """
 
   fn: Callable[..., jax.Array]
   inputs: int = 0
+  rotary: int | None = None
+  rotary_dtype: str | None = None
 
   def __post_init__(self):
     if not callable(self.fn):
       raise TypeError(f"Prologue.fn={self.fn!r} must be a function of float32 tiles.")
-    if self.inputs not in (0, 1, 2):
-      raise ValueError(f"Prologue.inputs={self.inputs!r} must be 0, 1 or 2.")
+    if self.inputs not in ((4,) if self.rotary is not None else (0, 1, 2)):
+      raise ValueError(f"Prologue.inputs={self.inputs!r} must be 0, 1 or 2 (4 with rotary).")
 
 
 def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:

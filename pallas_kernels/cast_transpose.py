@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import rotary_gradient
 from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import (broadcast_kind, check_block_sizes,
                                                   check_flag, check_fp8, check_products,
@@ -183,6 +184,7 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
   seed_refs = [refs.pop(0) for _ in range(amax.seeds)]
   passed_out_refs = refs
   first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
+  scale = None  # no cast (an amax launch)
   if from_amax is not None:
     # Every program makes the same scale from the given amax (a few scalar
     # operations, where a kernel of their own would cost a launch). On [1] blocks:
@@ -231,6 +233,17 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
     tile = ref[...] if block_mask is None else plgpu.load(ref, mask=block_mask, other=0)
     return tile.astype(jnp.float32)  # exact for bf16 / f16 inputs
 
+  if prologue is not None and prologue.rotary is not None:
+    # The qkv output gradient from dq, dk, dv (`pallas_kernels.rotary_gradient`): the tile
+    # is made, cast and stored a half of the head's features at a time. Its columns are
+    # whole heads, so only the last row tile can reach past the tensor.
+    half = tiling.block_cols // 2
+    parts = rotary_gradient.kernel_halves(x_ref, other_refs,
+                                          tile_mask(tiling, (tiling.block_rows, 1)), tiling,
+                                          jnp.dtype(prologue.rotary_dtype))
+    _amax_cast_store(parts, tile_mask(tiling, (tiling.block_rows, half)), amax, amax_ref,
+                     cast, scale, from_amax, q_ref, q_t_ref)
+    return
   x = load(x_ref)
   if prologue is not None:
     # The tensor cast is the prologue's result, in float32 (never written in bf16);
@@ -244,9 +257,19 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
             + lax.broadcasted_iota(jnp.int32, (tiling.block_rows, 1), 0))
     x = jnp.where(jnp.broadcast_to(rows < rows_ref[0], x.shape), x, 0.0)
 
+  _amax_cast_store([(x, None)], mask, amax, amax_ref, cast, scale, from_amax, q_ref, q_t_ref)
+
+
+def _amax_cast_store(parts, mask, amax: AmaxSpec, amax_ref, cast, scale, from_amax, q_ref,
+                     q_t_ref):
+  """Folds the tile's amax in, casts it and stores Q and Q^T. `parts`: [(float32 tile,
+  None)], or the tile as [(columns' values, their `pl.ds` in the tile)] pieces of one
+  shape, `mask` that shape's."""
   if amax.accumulate != "given":
-    magnitude_bits = lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK
-    tile_amax = lax.bitcast_convert_type(jnp.max(magnitude_bits), jnp.float32)
+    magnitude_bits = [jnp.max(lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK)
+                      for x, _ in parts]
+    tile_amax = lax.bitcast_convert_type(functools.reduce(jnp.maximum, magnitude_bits),
+                                         jnp.float32)
     if amax.accumulate == "tiles":
       amax_ref[0] = tile_amax
     else:
@@ -254,11 +277,13 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
 
   if cast is None:
     return
-  q = saturate(x * scale.reshape(1, 1) if from_amax is not None else x * scale,
-                cast.max).astype(cast.dtype)
-  store_masked(q_ref, q, mask)
-  if cast.transpose:
-    store_masked(q_t_ref, q.T, None if mask is None else mask.T)
+  for x, columns in parts:
+    q = saturate(x * scale.reshape(1, 1) if from_amax is not None else x * scale,
+                  cast.max).astype(cast.dtype)
+    store_masked(q_ref if columns is None else q_ref.at[:, columns], q, mask)
+    if cast.transpose:
+      store_masked(q_t_ref if columns is None else q_t_ref.at[columns, :], q.T,
+                   None if mask is None else mask.T)
 
 
 def _scale_from_amax(given, fallback, from_amax: ScaleFromAmax, interpret: bool):
@@ -343,8 +368,14 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   (`cast.row_limit`).
   """
   from_amax = cast.from_amax if cast is not None else None
-  tiling = tiling_for(x.shape, block_sizes)
-  rows, cols = x.shape
+  rotary = cast.prologue.rotary if cast is not None and cast.prologue is not None else None
+  if rotary is not None:
+    # The tensor cast is the qkv output gradient (`pallas_kernels.rotary_gradient`).
+    tiling = rotary_gradient.tiling(x.shape, rotary, block_sizes)
+    rows, cols = rotary_gradient.output_shape(x.shape)
+  else:
+    tiling = tiling_for(x.shape, block_sizes)
+    rows, cols = x.shape
   block = (tiling.block_rows, tiling.block_cols)
   # Scalars travel as [1] arrays (a free reshape in XLA): the interpreter's atomics
   # need an index into the ref.
@@ -362,7 +393,8 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   if amax.accumulate == "in_place" and amax_in is not None:
     amax_in = vary(amax_in, amax_axes)
   operands = [x, *others]
-  in_specs = [tile_spec] + [_prologue_input_spec(t, x, block) for t in others]
+  in_specs = (rotary_gradient.input_specs(tiling) if rotary is not None else
+              [tile_spec] + [_prologue_input_spec(t, x, block) for t in others])
   if cast is not None and cast.row_limit:
     operands.append(valid_rows.reshape(1))
     in_specs.append(scalar_spec)

@@ -114,6 +114,10 @@ def cast_transpose_amax_in_chain(
   if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 <= seeds <= 4:
     raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
   valid_rows = row_limit(valid_rows)
+  if prologue is not None and prologue.rotary is not None and (
+      tile_amaxes or valid_rows is not None):
+    raise ValueError("the rotary qkv gradient's cast takes neither tile_amaxes nor valid_rows "
+                     "(its tiles are one head's q, k or v).")
   cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
                   prologue=prologue, row_limit=valid_rows is not None)
   descale, partner_descales = check_products(descale, partner_descales)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import rotary_gradient
+
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes
 from pallas_kernels.vector_element import VectorElement, check_vector_element
 
@@ -164,7 +166,7 @@ def check_prologue(prologue, prologue_inputs, x) -> tuple:
   wanted = 0 if prologue is None else prologue.inputs
   if len(from_inputs) != wanted:
     raise ValueError(f"prologue_inputs has {len(from_inputs)} tensors but the prologue "
-                     f"{'(none)' if prologue is None else prologue.fn.__name__} reads {wanted} "
+                     f"{'(none)' if prologue is None else _name(prologue.fn)} reads {wanted} "
                      "besides x.")
   for i, t in enumerate(from_inputs):
     if broadcast_kind(jnp.shape(t), jnp.shape(x)) is None or (
@@ -173,7 +175,14 @@ def check_prologue(prologue, prologue_inputs, x) -> tuple:
                        f"{jnp.result_type(t)}; it must have x's shape {jnp.shape(x)} (or "
                        f"[R, 1], a value per row, or [1, C], one per column) and a dtype of "
                        f"{[d.name for d in INPUT_DTYPES]}.")
+  if prologue is not None and prologue.rotary is not None:
+    rotary_gradient.check_shapes(jnp.shape(x), [jnp.shape(t) for t in from_inputs],
+                                 prologue.rotary)
   return from_inputs
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
 
 
 def broadcast_kind(shape: tuple, x_shape: tuple) -> str | None:

@@ -57,7 +57,6 @@ RETURNS_NOT_YET_DOCUMENTED = {
     "fp8jax.models.gpt.attention_backend",
     "fp8jax.models.gpt.config_for",
     "fp8jax.models.gpt.parameter_count",
-    "fp8jax.models.gpt.rope",
     "fp8jax.runs.table",
     "fp8jax.mesh.axes.global_amax",
     "fp8jax.mesh.axes.match_operand_axes",

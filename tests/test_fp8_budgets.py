@@ -287,7 +287,7 @@ def _gpt_block_step(width, recipe, tokens=8192):
 
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")  # cuDNN's stand-in, both recipes
 @pytest.mark.parametrize("width", [2048, 8192])
-def test_current_scaling_in_a_gpt_block_is_predicted_at_least_088x_delayed_scaling(width):
+def test_current_scaling_in_a_gpt_block_is_predicted_at_least_086x_delayed_scaling(width):
   """In the GPT's blocks current scaling costs what knowing each amax before its cast
   costs, and little more: XLA computes each projection's input amax in the kernel that
   writes the input (the MLP's norm and residual add, the GELU), the output gradients' in
@@ -298,11 +298,14 @@ def test_current_scaling_in_a_gpt_block_is_predicted_at_least_088x_delayed_scali
   read it once, as they write the FP8 copies). Delayed scaling's casts also compute the
   GELU and its backward themselves (`fp8jax.fp8_mlp`), which current scaling cannot: the
   GELU's output must exist before its amax does, so it is written in bf16 and read back,
-  in each direction (4 bytes per element of [tokens, d_ff]). On 8192 tokens: 0.904x at
-  width 2048 (3518 us against delayed's 3180), 0.945x at 8192."""
+  in each direction (4 bytes per element of [tokens, d_ff]), and cast dq, dk and dv as
+  they come from attention (`fp8jax.ops.norm_qkv_rope`), where current scaling needs the
+  stacked gradient's amax before its cast and so writes the stack. On 8192 tokens: 0.870x
+  at width 2048 (3554 us against delayed's 3091), 0.933x at 8192 (before the qkv gradient's
+  fused cast: 0.904x and 0.945x)."""
   delayed = cost(*_flat(_gpt_block_step(width, DELAYED)), target="deviceless", label="delayed")
   current = cost(*_flat(_gpt_block_step(width, CURRENT)), target="deviceless", label="current")
-  assert delayed.time_s / current.time_s >= 0.88, (width, current.table(), delayed.table())
+  assert delayed.time_s / current.time_s >= 0.86, (width, current.table(), delayed.table())
   # No launch for a scale, a descale or a running amax (the casts make them): what runs
   # in a projection's scope besides its casts and GEMMs moves a tensor, or is an amax
   # reduction's second stage. (Before, 4 to 5 kernels of a few bytes per tensor.)

@@ -143,6 +143,31 @@ def test_fp8_sends_only_amax_scalars_beyond_the_bf16_step(compiled):
   print(f"\nGPT 125m train step on data={DATA} x model={MODEL}, per device: {comparison}")
 
 
+def test_each_device_casts_the_qkv_gradient_of_its_own_heads_from_dq_dk_dv(compiled):
+  """The qkv projection's output gradient is cast straight from attention's dq, dk, dv
+  (`fp8jax.ops.norm_qkv_rope`) by each device for its heads (split over "model"): one
+  cast per layer reads the local dq, dk, dv and writes the local [8192, 3 d / 2] FP8
+  gradient, and no kernel writes that gradient in bf16."""
+  config, programs = compiled
+  module = parse_hlo_module(programs["fp8"])
+  local_heads = config.n_heads // MODEL
+  local = (LOCAL_ROWS, 3 * config.d_model // MODEL)
+  per_head = (LOCAL_ROWS, config.d_model // MODEL)  # dq, dk or dv of this device's heads
+  entry = next(c for c in module.computations.values() if c.is_entry).instructions
+  casts = [i for i in entry.values() if i.opcode == "custom-call"
+           and any(s.dtype == "f8e5m2" and s.dims == local for s in i.shapes)]
+  assert len(casts) == config.n_layers, [i.name for i in casts]
+  for cast in casts:
+    # Partitioned per device (`custom_partitioning`).
+    assert "/attention/qkv/" in cast.op_name, cast.op_name
+    read = [entry[name].shape for name in cast.operands if name in entry]
+    assert sum(s is not None and s.dtype == "bf16" and s.dims == per_head for s in read) == 3, read
+  stacked = (local, (SEQUENCES_PER_SHARD, SEQ, local_heads, 3, config.head_dim))
+  stacked_in_bf16 = [i.name for i in entry.values() if i.opcode == "fusion"
+                     and any(s.dtype == "bf16" and s.dims in stacked for s in i.shapes)]
+  assert not stacked_in_bf16, stacked_in_bf16
+
+
 def test_fsdp_moves_fp8_weights_and_gradients_but_no_activations(fsdp_compiled):
   """Per device: FSDP gathers each projection's FP8 weight shard and reduce-scatters its
   gradient; the activations move only in the tensor-parallel sums over "model", and every

@@ -56,7 +56,7 @@ OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
 
 
 def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
-                row_limit: int | None = None) -> Callable:
+                row_limit: int | None = None, heads: tuple[int, int] | None = None) -> Callable:
   """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
 
   Args:
@@ -71,6 +71,10 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
       of the whole `t` in use (a grouped GEMM's rows within its groups), or None. Where
       `t`'s rows are split, each device's kernel gets the count of its own shard's rows
       (the whole count less the rows of the shards before it; negative: none).
+    heads: (H, D) for the qkv output gradient's cast (`pallas_kernels.rotary_gradient`):
+      t's columns are H heads of D features and the "same" and "transposed" outputs'
+      columns each head's q, k and v (3 D): their columns split as t's, by whole heads
+      (a split the heads do not divide is gathered first).
   """
   outputs = tuple(outputs)
   unknown = [kind for kind in outputs if kind not in OUTPUT_KINDS]
@@ -83,8 +87,10 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
     def partitioned(*operands):
       return tuple(kernel(*operands))
 
+    column_unit = 1 if heads is None else heads[1]
+
     def partition(mesh, arg_shapes, result_shape):
-      t_spec = _divisible_spec(mesh, arg_shapes[0])
+      t_spec = _divisible_spec(mesh, arg_shapes[0], column_unit)
       split_over = tuple(name for entry in t_spec for name in axis_names(entry))
 
       row_axes = axis_names(t_spec[0])
@@ -104,10 +110,17 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
       return mesh, lower_fn, _result_shardings(mesh, t_spec, outputs), arg_shardings
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
-      return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0]), outputs)
+      return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0], column_unit),
+                               outputs)
 
+    if heads is None:
+      return define_rules(partitioned, partition, infer_sharding_from_operands,
+                          _sharding_rule(ranks, outputs, broadcasts))
+    # Heads (h) split, never a head's features (d); the outputs hold q, k, v (s) per head.
     return define_rules(partitioned, partition, infer_sharding_from_operands,
-                        _sharding_rule(ranks, outputs, broadcasts))
+                        _sharding_rule(ranks, outputs, broadcasts, columns="(h d)",
+                                       out_columns="(h s d)"),
+                        h=heads[0], s=3, d=heads[1], need_replication_factors=("d",))
 
   @functools.wraps(kernel)
   def call(*operands):
@@ -169,13 +182,17 @@ def _broadcast_spec(t_spec: PartitionSpec, kind: str) -> PartitionSpec:
           "columns": PartitionSpec(None, t_spec[1])}[kind]
 
 
-def _sharding_rule(ranks: tuple, outputs, broadcasts: tuple = ()) -> str:
+def _sharding_rule(ranks: tuple, outputs, broadcasts: tuple = (), columns: str = "c",
+                   out_columns: str | None = None) -> str:
   """Shardy's einsum-like rule: t (and each tensor sharded alike) is `r c` (a further
   tensor's axis of length 1 a factor of its own), scalars (operands and outputs) are
-  rank 0, each vector operand and output a factor of its own (replicated in `partition`)."""
-  layout = {"same": "r c", "transposed": "c r", "amax": "", "scalar": ""}
-  further = {"tile": "r c", "rows": "r o{i}", "columns": "o{i} c"}
-  operands = ", ".join(["r c"] + [further[kind].format(i=i) for i, kind in enumerate(broadcasts)]
+  rank 0, each vector operand and output a factor of its own (replicated in `partition`).
+  `columns`, `out_columns`: the factors of t's and of the tensor outputs' columns (`c`)."""
+  c, out = columns, out_columns or columns
+  layout = {"same": f"r {out}", "transposed": f"{out} r", "amax": "", "scalar": ""}
+  further = {"tile": f"r {c}", "rows": "r o{i}", "columns": "o{i} " + c}
+  operands = ", ".join([f"r {c}"] + [further[kind].format(i=i)
+                                     for i, kind in enumerate(broadcasts)]
                        + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
   results = ", ".join(layout.get(kind, f"w{i}") for i, kind in enumerate(outputs))
   return f"{operands} -> {results}"
@@ -200,8 +217,9 @@ def axis_names(entry) -> tuple:
   return entry if isinstance(entry, tuple) else (entry,)
 
 
-def _divisible_spec(mesh, shape) -> PartitionSpec:
-  """The 2-D spec of `shape.sharding`, with any axis the mesh does not divide evenly unsharded."""
+def _divisible_spec(mesh, shape, column_unit: int = 1) -> PartitionSpec:
+  """The 2-D spec of `shape.sharding`, with any axis the mesh does not divide evenly
+  unsharded (the columns in whole blocks of `column_unit`)."""
   sharding = shape.sharding
   spec = getattr(sharding, "spec", None)
   if spec is None:
@@ -211,7 +229,8 @@ def _divisible_spec(mesh, shape) -> PartitionSpec:
     ways = 1
     for name in axis_names(entry):
       ways *= mesh.shape[name]
-    if ways > 1 and shape.shape[axis] % ways:
+    units = shape.shape[axis] // (column_unit if axis == 1 else 1)
+    if ways > 1 and (units % ways or (axis == 1 and shape.shape[1] % column_unit)):
       entries[axis] = None
   return PartitionSpec(*entries[:2])
 

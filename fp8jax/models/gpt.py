@@ -92,6 +92,7 @@ from fp8jax.core.recipes import Recipe, check_recipe
 from fp8jax.flax.linen import (FP8_COLLECTION, Fp8Dense, Fp8DenseGeneral, dot_meta_variable,
                                fp8_variable, read_meta, store_dot_meta)
 from fp8jax.flax.linen_mlp import Fp8Mlp
+from fp8jax.flax.linen_qkv import Fp8NormQkvRope
 from fp8jax.flax.linen_stacked import layer_weights
 from fp8jax.models import gpt_fp8_layers, gpt_moe, gpt_weights
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
@@ -101,6 +102,7 @@ from fp8jax.ops.dot import delayed_matrix_path
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
+from fp8jax.ops.rotary import rope, split_qkv_rope  # rope: part of this module's API
 from fp8jax.telemetry import TELEMETRY_COLLECTION
 
 SAVED_ACTIVATIONS = ("default", "fp8")
@@ -308,28 +310,6 @@ def runs_fp8_attention(config: GptConfig, recipe: Recipe | None, batch_size: int
   return choice.name not in DEQUANTIZING_FP8_BACKENDS
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding of x [batch, seq, heads, head_dim] at `positions` [seq].
-
-  Feature pairs (x_i, x_{i + D/2}), i < D/2 (the "half-split" layout), are
-  rotated by the angle p * theta_i with theta_i = base**(-2i / D) at position p:
-
-      x_i'       = x_i cos(p theta_i) - x_{i+D/2} sin(p theta_i)
-      x_{i+D/2}' = x_{i+D/2} cos(p theta_i) + x_i sin(p theta_i)
-
-  Seen as complex numbers z_i = x_i + j x_{i+D/2}, that is z_i * exp(j p theta_i),
-  so a query at position m and a key at n have a dot product that depends on
-  m - n only. Computed in float32; returns x's dtype.
-  """
-  half = x.shape[-1] // 2
-  theta = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[:, None] * theta[None, :]        # [seq, D/2]
-  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[..., :half], x32[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class RMSNorm(nn.Module):
   """`x / sqrt(mean(x**2, -1) + eps) * scale` in float32, returned in `out_dtype`.
 
@@ -438,12 +418,18 @@ class CausalSelfAttention(nn.Module):
     # One projection reads h once (in FP8: one cast of h and of the kernel, one GEMM).
     # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
     # split over a tensor-parallel axis stay whole blocks of the flattened GEMM.
-    qkv = _project(_dense_general(_projection_recipe(c, recipe, "qkv"),
-                                  (c.n_heads, 3, c.head_dim), std=c.init_std, name="qkv"),
-                   x, x_amax, norm)
-    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-    positions = jnp.arange(x.shape[1])
-    q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
+    qkv_recipe = _projection_recipe(c, recipe, "qkv")
+    if norm is not None and qkv_recipe is not None:
+      # The norm made by the cast, and dq, dk, dv cast by the backward without a pass
+      # that stacks them (`fp8jax.ops.norm_qkv_rope`).
+      q, k, v = Fp8NormQkvRope(c.n_heads, c.head_dim, c.rope_base, qkv_recipe,
+                               dtype=ACTIVATION_DTYPE, param_dtype=PARAM_DTYPE,
+                               kernel_init=nn.initializers.normal(c.init_std),
+                               name="qkv")(x, **norm)
+    else:
+      qkv = _project(_dense_general(qkv_recipe, (c.n_heads, 3, c.head_dim), std=c.init_std,
+                                    name="qkv"), x, x_amax, norm)
+      q, k, v = split_qkv_rope(qkv, c.rope_base)
     if recipe is not None and c.fp8_attention:
       # The state exists whichever attention runs, so the tree is the same on every target.
       variable = fp8_variable(self, "attention_meta", init_attention_meta, recipe)

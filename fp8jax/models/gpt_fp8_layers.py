@@ -17,8 +17,10 @@ tied head (N = 256, the byte vocabulary) stays in bf16 at every size. Attention 
 `GptConfig.fp8_attention`, and with `GptConfig.experts` the experts' grouped GEMMs
 follow the recipe: "auto" decides the dense projections. Whole train steps, deviceless
 H100, `fp8jax cost --gpt SIZE --optimizer adamw --saved-activations default` ("all",
-then "auto", over bf16): small at 16 x 256: 0.98x, 0.99x; 125m at 8 x 1024: 1.18x,
-1.19x; 350m at 8 x 1024: 1.25x, 1.25x.
+then "auto", over bf16): small at 16 x 256: 1.01x, 0.99x; 125m at 8 x 1024: 1.23x,
+1.24x; 350m at 8 x 1024: 1.29x, 1.29x. At small "all" is ahead: its qkv backward casts dq,
+dk, dv unstacked (`fp8jax.fp8_rms_norm_qkv_rope`), a saving of the whole step that the
+per-GEMM choice does not count.
 """
 from __future__ import annotations
 

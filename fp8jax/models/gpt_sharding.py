@@ -19,7 +19,7 @@ features over "data" instead of its batch, then moved activations back and forth
 the 125m width, two blocks) that added 10 all-to-alls of float32 activations and gathered
 output gradients over the whole batch (collectives sent 349 MiB per device and FP8 step
 instead of 112), and with FP8 saved activations 15 float32 activation all-gathers (2,149
-MiB); the predicted FP8 step was 2.4x (3.1x) what it is now (`fp8jax.lowering.cost`). A
+MiB); the predicted FP8 step was 2.5x (3.2x) what it is now (`fp8jax.lowering.cost`). A
 byte vocabulary's table is 256 rows: whole on every device it is 0.8 MB of float32 at that
 width, 2.1 MB at the 1b's.
 

@@ -347,8 +347,11 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
       if gathered_for is None:
         # A row limit counts the whole tensor's rows, and each device's shard gets its own
         # count: it is the scalar operand after the scale.
+        heads = None if prologue is None or prologue.rotary is None else (
+            x.shape[1] // prologue.rotary, prologue.rotary)
         results = shard_local(on_leaves, kinds, tensors=1 + len(others),
-                              row_limit=1 if valid_rows is not None else None)(x, *leaves)
+                              row_limit=1 if valid_rows is not None else None,
+                              heads=heads)(x, *leaves)
       else:
         results = shard_local_weight_cast(on_leaves)(
             x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind=kinds[2])

@@ -87,7 +87,7 @@ def fp8_rms_norm_dense(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: 
     # A kernel cast before a loop over layers (`fp8jax.ops.stacked_weights`), or None.
     reused = stacked_weights.supplied(kernel, layout)
     return _norm_dense(x, scale, kernel, meta, reused,
-                       _Static(layout, jnp.dtype(kernel.dtype), call.eps, call.save_fp8))
+                       Static(layout, jnp.dtype(kernel.dtype), call.eps, call.save_fp8))
 
 
 def fused_layout(x, kernel, meta: DotMeta, dims, *others) -> MatrixLayout | None:
@@ -121,7 +121,9 @@ def normalizing_prologue(x: jax.Array, scale: jax.Array, eps: float):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class Static:
+  """A fused call's static facts: the GEMM layout, the kernel's dtype and the norm's."""
+
   layout: MatrixLayout
   kernel_dtype: jnp.dtype
   eps: float
@@ -130,10 +132,11 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _norm_dense(x, scale, kernel, meta, reused, static):
-  return _forward(x, scale, kernel, meta, reused, static)[0]
+  return forward(x, scale, kernel, meta, reused, static)[0]
 
 
-def _forward(x, scale, kernel, meta, reused, static):
+def forward(x, scale, kernel, meta, reused, static):
+  """`_norm_dense`'s forward: ((y, the new meta), residuals)."""
   r, prologue_inputs = normalizing_prologue(x, scale, static.eps)
   y, new_meta, residuals = matrix_fwd(x, kernel, meta, reused, static.layout,
                                       x_prologue=activations.RMS_NORM,
@@ -144,14 +147,21 @@ def _forward(x, scale, kernel, meta, reused, static):
 
 
 def _backward(static, residuals, cotangents):
-  residuals, kept, r, scale = residuals
   g, meta_cotangent = cotangents
+  return backward(static, residuals, g, meta_cotangent)
+
+
+def backward(static, residuals, g, meta_cotangent, g_prologue=None, g_prologue_inputs=()):
+  """`_norm_dense`'s backward from the output gradient g, or from what its cast makes g of
+  (`g_prologue`, `g_prologue_inputs`: see `fp8jax.ops.dot.matrix_bwd`): (dx, dscale,
+  dkernel, the meta's cotangent, None for the supplied FP8 copies of the kernel)."""
+  residuals, kept, r, scale = residuals
   dh, dkernel, grad = matrix_bwd(static.layout, residuals, g, meta_cotangent.grad,
-                                 static.kernel_dtype)
+                                 static.kernel_dtype, g_prologue, g_prologue_inputs)
   dx, dscale = norm_math.backward(dh, kept, r, scale, static.save_fp8)
   meta_in = amaxes_unbatched_like(meta_cotangent, dataclasses.replace(meta_cotangent, grad=grad))
   # The supplied FP8 copies of the kernel get no gradient (the kernel's is dkernel): None.
   return dx.astype(dh.dtype), dscale, dkernel, meta_in, None
 
 
-_norm_dense.defvjp(_forward, _backward)
+_norm_dense.defvjp(forward, _backward)
