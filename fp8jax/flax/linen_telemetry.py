@@ -11,6 +11,7 @@ import flax.linen as nn
 from fp8jax.ops.einsum import parse_two_operand_subscripts
 from fp8jax.flax import linen as fp8nn
 from fp8jax.flax.linen_mlp import Fp8Mlp, MlpWeights
+from fp8jax.flax.linen_qkv import Fp8NormQkvRope
 from fp8jax.flax.master_kernel import master_kernel
 from fp8jax.ops.dot import fp8_dot_general
 from fp8jax.ops.mlp import quantized_activation
@@ -22,7 +23,8 @@ def linen_tensor_stats():
   """A context in which fp8jax's linen FP8 layers sow `dot_stats` of each call.
 
   Inside it, every call of `Fp8Dense`, `Fp8DenseGeneral`, `Fp8Einsum` and
-  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too), of `Fp8Mlp` (its
+  `Fp8DotGeneral` (from `fp8jax.flax.linen`, subclasses too), of `Fp8NormQkvRope`
+  (`fp8jax.flax.linen_qkv`: its normalized x and kernel), of `Fp8Mlp` (its
   "up" and "down" projections each, the down projection's x being the float32 GELU
   its cast quantizes), and of the
   `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers an `fp8jax.flax.Fp8Model`
@@ -121,7 +123,8 @@ def _sow_mlp_stats(module, inputs, kwargs, projections) -> None:
       projection.sow(TELEMETRY_COLLECTION, role, stats)
 
 
-_FP8_LAYERS = (fp8nn.Fp8Dense, fp8nn.Fp8DenseGeneral, fp8nn.Fp8Einsum, fp8nn.Fp8DotGeneral)
+_FP8_LAYERS = (fp8nn.Fp8Dense, fp8nn.Fp8DenseGeneral, fp8nn.Fp8Einsum, fp8nn.Fp8DotGeneral,
+               Fp8NormQkvRope)
 # The Flax layers `fp8jax.flax.Fp8Model` converts; FP8 where they hold FP8 state.
 _CONVERTED_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 

@@ -30,7 +30,9 @@ bfloat16.
 FP8 (`recipe` given): the qkv and attention-output projections are
 `fp8jax.flax.linen.Fp8DenseGeneral`, the MLP is one `fp8jax.flax.linen_mlp.Fp8Mlp`
 (both projections and the GELU, done by their casts; two `Fp8Dense` where a projection
-stays in bf16 or under current scaling); under delayed scaling each norm is made by the
+stays in bf16 or under current scaling); under delayed scaling the qkv projection is
+`fp8jax.flax.linen_qkv.Fp8NormQkvRope` (the same variables; its gradient cast reads dq,
+dk, dv as attention returns them) and each norm is made by the
 FP8 cast of the projection after it (`norm_scale=`, `fp8jax.fp8_rms_norm_dense`; the MLP's
 together with the residual add before it, `Fp8Mlp(residual=)`) and never written in bf16;
 the tied output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
