@@ -72,6 +72,11 @@ class Prologue:
       raise TypeError(f"Prologue.fn={self.fn!r} must be a function of float32 tiles.")
     if self.inputs not in ((4,) if self.rotary is not None else (0, 1, 2)):
       raise ValueError(f"Prologue.inputs={self.inputs!r} must be 0, 1 or 2 (4 with rotary).")
+    if self.rotary is not None and (
+        isinstance(self.rotary, bool) or not isinstance(self.rotary, int) or self.rotary < 2
+        or self.rotary % 2 or self.rotary_dtype is None):
+      raise ValueError(f"Prologue.rotary={self.rotary!r} must be an even head_dim >= 2, with "
+                       f"rotary_dtype (got {self.rotary_dtype!r}).")
 
 
 def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:

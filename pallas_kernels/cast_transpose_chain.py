@@ -93,7 +93,8 @@ def cast_transpose_amax_in_chain(
     pass_through: float32 arrays of at most one dimension to return copies of.
     prologue: cast `prologue.fn(x, *prologue_inputs)` (float32, elementwise) instead
       of x, its amax included (`pallas_kernels.activations`): the function's result is
-      made in the kernel's registers and never written in x's dtype.
+      made in the kernel's registers and never written in x's dtype. A rotary prologue
+      (`pallas_kernels.rotary_gradient`) makes the qkv gradient [R, 3 C] from x = dq.
     prologue_inputs: the further tensors the prologue reads, each of x's shape, [R, 1] or
       [1, C].
     valid_rows: as for `cast_transpose_amax` (rows past it read as 0, after the prologue).
@@ -114,10 +115,7 @@ def cast_transpose_amax_in_chain(
   if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 <= seeds <= 4:
     raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
   valid_rows = row_limit(valid_rows)
-  if prologue is not None and prologue.rotary is not None and (
-      tile_amaxes or valid_rows is not None):
-    raise ValueError("the rotary qkv gradient's cast takes neither tile_amaxes nor valid_rows "
-                     "(its tiles are one head's q, k or v).")
+  _check_rotary(prologue, tile_amaxes, valid_rows)
   cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
                   prologue=prologue, row_limit=valid_rows is not None)
   descale, partner_descales = check_products(descale, partner_descales)
@@ -143,6 +141,7 @@ def cast_transpose_amax_in_chain_reference(
   """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
   check_x(x)
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
+  _check_rotary(prologue, tile_amaxes, valid_rows)
   if prologue is not None:
     x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in prologue_inputs))
   x = rows_in_use(x, row_limit(valid_rows))
@@ -161,3 +160,10 @@ def cast_transpose_amax_in_chain_reference(
   reduced = bits_max(tiles[1], tiles[0]) if tiles is not None else None
   return ChainedCast(q, q_t, amax_out, products[0] if products else None, reduced,
                      (jnp.float32(0),) * seeds, check_pass_through(pass_through))
+
+
+def _check_rotary(prologue, tile_amaxes, valid_rows) -> None:
+  if prologue is not None and prologue.rotary is not None and (
+      tile_amaxes or valid_rows is not None):
+    raise ValueError("the rotary qkv gradient's cast takes neither tile_amaxes nor valid_rows "
+                     "(its tiles are one head's q, k or v).")

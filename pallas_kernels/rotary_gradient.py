@@ -5,7 +5,7 @@ q, k, v, then the head's D features) and turns q and k by RoPE before attention.
 backward gets dq, dk, dv ([R, H * D] each) from attention; the projection's output gradient
 is them stacked back, dq and dk turned by RoPE's transpose. Written by XLA, that is a pass
 that reads the three and writes the stacked bf16 gradient for the projection's FP8 cast to
-read again (the 1b GPT: 24 launches and 3.6 ms of its step on an H100, deviceless estimate).
+read again (the 1b GPT: 3.6 ms of its step on an H100, deviceless estimate).
 As a `Prologue` of that cast (`rotary_qkv_gradient`), the cast reads dq, dk, dv itself and
 makes the stacked gradient in its registers: the pass and the bf16 copy are gone.
 
@@ -42,12 +42,14 @@ from pallas_kernels.cast_transpose_tiling import (CastTransposeBlockSizes, Tilin
 SLOTS = 3
 
 
+@functools.lru_cache(maxsize=None)
 def rotary_qkv_gradient(head_dim: int, dtype) -> Prologue:
   """The cast prologue that makes the qkv output gradient from (dq, dk, dv, positions,
   frequencies), rounded to `dtype` (the gradients'), for heads of `head_dim` features.
 
   Returns:
-    A `Prologue` with `rotary` set to head_dim (the cast then writes [R, 3 x dq's columns]).
+    A `Prologue` with `rotary` set to head_dim (the cast then writes [R, 3 x dq's columns]),
+    the same object for the same arguments (a jitted launch takes it as a static argument).
   """
   if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
     raise ValueError(f"head_dim={head_dim!r} must be an even int >= 2 (RoPE turns pairs).")
@@ -57,9 +59,12 @@ def rotary_qkv_gradient(head_dim: int, dtype) -> Prologue:
 
 
 def qkv_gradient(dq, dk, dv, positions, frequencies, *, head_dim: int, dtype) -> jax.Array:
-  """The stacked qkv output gradient [R, H * 3 * head_dim] in float32 (values of `dtype`),
-  from float32 dq, dk, dv [R, H * head_dim], positions [R, 1] and frequencies
-  [1, H * head_dim]: the definition the kernel matches."""
+  """The stacked qkv output gradient from float32 dq, dk, dv [R, H * head_dim], positions
+  [R, 1] and frequencies [1, H * head_dim]: the definition the kernel matches.
+
+  Returns:
+    float32 [R, H * 3 * head_dim] (values of `dtype`).
+  """
   rows, columns = dq.shape
   heads, half = columns // head_dim, head_dim // 2
   angle = (positions * frequencies).reshape(rows, heads, 2, half)[:, :, 0]
@@ -70,16 +75,32 @@ def qkv_gradient(dq, dk, dv, positions, frequencies, *, head_dim: int, dtype) ->
     first, second = turn_back(g[:, :, 0], g[:, :, 1], cos, sin, dtype)
     return jnp.concatenate([first, second], axis=-1)
 
-  stacked = jnp.stack([turned(dq), turned(dk), dv.reshape(rows, heads, head_dim)], axis=2)
+  value = positive_zero(dv.reshape(rows, heads, head_dim))
+  stacked = jnp.stack([turned(dq), turned(dk), value], axis=2)
   return stacked.reshape(rows, heads * SLOTS * head_dim)
 
 
 def turn_back(g1, g2, cos, sin, dtype) -> tuple[jax.Array, jax.Array]:
-  """RoPE's transpose of one pair of halves (float32), each rounded to `dtype`."""
+  """RoPE's transpose of one pair of halves (float32), each rounded to `dtype`.
+
+  Returns:
+    (dx of the first half, dx of the second), float32 values of `dtype`. A zero is +0:
+    autodiff adds each half into a zero-padded gradient, and -0 + 0 is +0.
+  """
   first = g2 * sin + g1 * cos
   second = g2 * cos + (-g1) * sin
-  rounded = lambda y: y.astype(dtype).astype(jnp.float32)
+  rounded = lambda y: positive_zero(y).astype(dtype).astype(jnp.float32)
   return rounded(first), rounded(second)
+
+
+def positive_zero(y: jax.Array) -> jax.Array:
+  """y with -0 as +0, as autodiff's sum into a zero-padded gradient leaves it (a select:
+  `y + 0.0` would do it too, but a compiler may fold that away).
+
+  Returns:
+    y, its zeros +0.
+  """
+  return jnp.where(y == 0, jnp.zeros((), y.dtype), y)
 
 
 def check_shapes(x_shape, others_shapes, head_dim: int) -> None:
@@ -91,10 +112,10 @@ def check_shapes(x_shape, others_shapes, head_dim: int) -> None:
   if [tuple(s) for s in others_shapes] != wanted:
     raise ValueError(f"the rotary qkv gradient's inputs (dk, dv, positions, frequencies) must "
                      f"have shapes {wanted}; got {[tuple(s) for s in others_shapes]}.")
-  if head_dim < 32 or head_dim & (head_dim - 1):
+  if head_dim not in (32, 64, 128, 256):
     raise ValueError(f"head_dim={head_dim}: the kernel's tile is one head's half ({head_dim // 2} "
-                     "columns), a power of two >= 16 (Triton tiles); use head_dim 32, 64, 128 "
-                     "or 256.")
+                     "columns), a power of two from 16 to 128 (Triton tiles); use head_dim 32, "
+                     "64, 128 or 256.")
 
 
 def output_shape(x_shape) -> tuple[int, int]:
@@ -147,4 +168,5 @@ def kernel_halves(x_ref, other_refs, row_mask, tiling: Tiling, dtype) -> list:
   angle = positions * frequencies_ref.at[:, halves[0]][...]
   first, second = turn_back(g1, g2, jnp.cos(angle), jnp.sin(angle), dtype)
   value = slot == SLOTS - 1  # v is not turned
-  return [(jnp.where(value, g1, first), halves[0]), (jnp.where(value, g2, second), halves[1])]
+  return [(jnp.where(value, positive_zero(g1), first), halves[0]),
+          (jnp.where(value, positive_zero(g2), second), halves[1])]

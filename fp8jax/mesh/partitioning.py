@@ -21,7 +21,8 @@ on its own shard:
   running amaxes, descales, an earlier kernel's tile maxima);
 * each device runs the kernel on its own shard of `t`: its tensor outputs are
   `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
-  two axes' shardings swapped), so nothing is gathered;
+  two axes' shardings swapped), so nothing is gathered (the qkv gradient's cast,
+  `heads=`, writes 3 columns per column of `t`, split by the same whole heads);
 * the amax outputs ("amax") are made global by a max over the mesh axes that
   split `t` (bit for bit the single-device amax: a max does not depend on the
   order it is taken in); so are the maxima of the kernel's tiles ("tiles", left

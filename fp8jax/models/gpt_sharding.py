@@ -15,8 +15,9 @@ gathers each weight where it is used, in FP8 under a recipe).
 
 The embedding stays whole under FSDP. Its lookup's output is the residual stream: with
 the table's d_model split over "data", XLA's sharding propagation split the stream's
-features over "data" instead of its batch, then moved activations back and forth between the two layouts. On 8 H100s (data=4 x model=2,
-the 125m width, two blocks) that added 10 all-to-alls of float32 activations and gathered
+features over "data" instead of its batch, then moved activations back and forth between
+the two layouts. Compiled for 8 H100s (data=4 x model=2, the 125m width, two blocks,
+deviceless) that added 10 all-to-alls of float32 activations and gathered
 output gradients over the whole batch (collectives sent 349 MiB per device and FP8 step
 instead of 112), and with FP8 saved activations 15 float32 activation all-gathers (2,149
 MiB); the predicted FP8 step was 2.5x (3.2x) what it is now (`fp8jax.lowering.cost`). A

@@ -485,7 +485,9 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   """The matrix path's backward: (dx, dk, the grad role's cotangent).
 
   `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
-  input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`).
+  input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`); a rotary
+  prologue makes it from g = dq and dk, dv, positions, frequencies
+  (`fp8jax.ops.norm_qkv_rope`).
   """
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator, grad_packed = residuals
   if g_prologue is not None and grad_meta.recipe.scales_from_tensor:

@@ -11,8 +11,8 @@ projection's output gradient, dq and dk turned by RoPE's transpose: a pass that 
 three and writes the stacked bf16 gradient, which the gradient's FP8 cast then reads
 again. Here the cast reads dq, dk and dv itself and makes the stacked gradient in its
 registers (`pallas_kernels.rotary_gradient`): that pass and its copy are gone (the 1b GPT:
-24 launches and 3.6 ms of its step on an H100, deviceless estimate). The numbers are
-autodiff's, bit for bit (the gradient rounded to its dtype where autodiff rounds it).
+3.6 ms of its step on an H100, deviceless estimate). The numbers are autodiff's, bit for
+bit (the gradient rounded to its dtype where autodiff rounds it, a zero's sign included).
 
 The fused backward runs where `fp8_rms_norm_dense` fuses (delayed scaling on fp8jax's
 lean matrix path, see that module) and head_dim is a power of two from 32 to 256 (the
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,8 @@ FUSED_HEAD_DIMS = (32, 64, 128, 256)
 
 def fp8_rms_norm_qkv_rope(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: DotMeta, *,
                           rope_base: float, eps: float = norm_dense.NORM_EPS,
-                          save_fp8: bool = False):
+                          save_fp8: bool = False
+                          ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], DotMeta]:
   """A transformer block's RMSNorm, FP8 qkv projection and RoPE, fused (see the module).
 
   Args:
@@ -66,13 +69,15 @@ def fp8_rms_norm_qkv_rope(x: jax.Array, scale: jax.Array, kernel: jax.Array, met
   head_dim = kernel.shape[-1]
   if head_dim % 2:
     raise ValueError(f"kernel's head_dim={head_dim} must be even (RoPE turns pairs).")
-  if not isinstance(rope_base, (int, float)) or isinstance(rope_base, bool) or rope_base <= 0:
+  if not isinstance(rope_base, numbers.Real) or isinstance(rope_base, bool) or not rope_base > 0:
     raise ValueError(f"rope_base={rope_base!r} must be a positive number.")
   call = norm_math.config(x, scale, eps, None, save_fp8, False, add=False)
   refuse_split_state(meta, "meta")
   check_dot_meta(meta, "meta")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   layout = norm_dense.fused_layout(x, kernel, meta, dims, scale)
+  if layout is not None and head_dim not in FUSED_HEAD_DIMS:
+    _warn_unfused(head_dim)
   if layout is None or head_dim not in FUSED_HEAD_DIMS:
     y, new_meta = norm_dense.fp8_rms_norm_dense(x, scale, kernel, meta, eps=call.eps,
                                                 save_fp8=call.save_fp8)
@@ -84,6 +89,14 @@ def fp8_rms_norm_qkv_rope(x: jax.Array, scale: jax.Array, kernel: jax.Array, met
     static = _Static(norm_dense.Static(layout, jnp.dtype(kernel.dtype), call.eps, call.save_fp8),
                      float(rope_base))
     return _norm_qkv_rope(x, scale, kernel, meta, reused, static)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unfused(head_dim: int) -> None:
+  """Once per head_dim: the backward stacks dq, dk, dv (the kernel tiles no such head)."""
+  warnings.warn(f"fp8_rms_norm_qkv_rope: head_dim={head_dim} is not one of "
+                f"{FUSED_HEAD_DIMS}, so the qkv gradient is stacked in bf16 before its cast "
+                "(the same numbers, one more pass).", stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
