@@ -40,6 +40,8 @@ from pallas_kernels.cast_transpose_tiling import (CastTransposeBlockSizes, Tilin
 
 # q, k and v of a head, in the projection's feature order.
 SLOTS = 3
+# The head sizes the kernel tiles: a tile is a half head, a power of two from 16 to 128.
+HEAD_DIMS = (32, 64, 128, 256)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +114,7 @@ def check_shapes(x_shape, others_shapes, head_dim: int) -> None:
   if [tuple(s) for s in others_shapes] != wanted:
     raise ValueError(f"the rotary qkv gradient's inputs (dk, dv, positions, frequencies) must "
                      f"have shapes {wanted}; got {[tuple(s) for s in others_shapes]}.")
-  if head_dim not in (32, 64, 128, 256):
+  if head_dim not in HEAD_DIMS:
     raise ValueError(f"head_dim={head_dim}: the kernel's tile is one head's half ({head_dim // 2} "
                      "columns), a power of two from 16 to 128 (Triton tiles); use head_dim 32, "
                      "64, 128 or 256.")

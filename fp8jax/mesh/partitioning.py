@@ -231,7 +231,7 @@ def _divisible_spec(mesh, shape, column_unit: int = 1) -> PartitionSpec:
     for name in axis_names(entry):
       ways *= mesh.shape[name]
     units = shape.shape[axis] // (column_unit if axis == 1 else 1)
-    if ways > 1 and (units % ways or (axis == 1 and shape.shape[1] % column_unit)):
+    if ways > 1 and units % ways:
       entries[axis] = None
   return PartitionSpec(*entries[:2])
 

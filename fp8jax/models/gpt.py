@@ -421,7 +421,7 @@ class CausalSelfAttention(nn.Module):
     # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
     # split over a tensor-parallel axis stay whole blocks of the flattened GEMM.
     qkv_recipe = _projection_recipe(c, recipe, "qkv")
-    if norm is not None and qkv_recipe is not None:
+    if norm is not None:  # only under an FP8 recipe (`_norm_in_cast`)
       # The norm made by the cast, and dq, dk, dv cast by the backward without a pass
       # that stacks them (`fp8jax.ops.norm_qkv_rope`).
       q, k, v = Fp8NormQkvRope(c.n_heads, c.head_dim, c.rope_base, qkv_recipe,

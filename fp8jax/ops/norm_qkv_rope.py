@@ -35,10 +35,7 @@ from fp8jax.ops import norm_dense, stacked_weights
 from fp8jax.ops import rms_norm as norm_math
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 from fp8jax.ops.rotary import frequencies, split_qkv_rope
-from pallas_kernels.rotary_gradient import rotary_qkv_gradient
-
-# The head sizes the kernel tiles (a half head per tile: a power of two from 16).
-FUSED_HEAD_DIMS = (32, 64, 128, 256)
+from pallas_kernels.rotary_gradient import HEAD_DIMS as FUSED_HEAD_DIMS, rotary_qkv_gradient
 
 
 def fp8_rms_norm_qkv_rope(x: jax.Array, scale: jax.Array, kernel: jax.Array, meta: DotMeta, *,
