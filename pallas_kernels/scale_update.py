@@ -51,7 +51,8 @@ ROLES_PER_CALL = 32
 
 def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
                 amax_compute_algo: str, other_amaxes=None, packed: bool = False,
-                in_place: Sequence[bool] | None = None, interpret: bool = False):
+                in_place: Sequence[bool] | None = None, written_over=None,
+                interpret: bool = False):
   """Closes one delayed-scaling step for every role, in ceil(roles / 32) launches.
 
   Args:
@@ -70,11 +71,17 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
       makes the concatenation one small kernel, where the slices would be a
       kernel each. Inside `shard_map` only arrays that vary alike are packed
       (each output must vary as what it is computed from).
-    in_place: optional sequence of bools, one per role: write the role's new history over
-      its old one (an input/output alias; not with `packed`). For a history that is the
-      step's own state, donated: XLA then updates it where it is instead of copying the
-      result there after the launch. Not for one an earlier kernel wrote (a cast's copy):
-      there the result would be copied into the state's buffer instead.
+    in_place: optional sequence of bools, one per role: write the role's new history and
+      scale over its old ones (input/output aliases; not with `packed`). For a history
+      that is the step's own state, donated: XLA then updates it where it is instead of
+      copying the result there after the launch. Not for one an earlier kernel wrote (a
+      cast's copy): there the result would be copied into the state's buffer instead.
+    written_over: optional pair `(scale_invs, amaxes)` of lists like `scales`: the old
+      state's arrays that each `in_place` role's scale_inv and amax (0) outputs are
+      written over (input/output aliases; never read). Pass the step's donated state:
+      then every array of it is an operand of the step (JAX prunes none as unused),
+      so JAX pairs each donated buffer with its own new value and XLA copies nothing
+      into the state after the launch.
     interpret: run the Pallas interpreter (CPU).
 
   Returns:
@@ -89,6 +96,8 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
   if packed and any(in_place):
     raise ValueError("in_place takes per-role histories; packed=True gives the launch one "
                      "vector of every role's. Pass one of them.")
+  if written_over is not None:
+    _check_written_over(written_over, scales)
   outputs = ([], [], [], [])
   for start in range(0, len(amaxes), ROLES_PER_CALL):
     part = slice(start, start + ROLES_PER_CALL)
@@ -100,7 +109,12 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
     if pack:  # one vector of amaxes, other amaxes, histories and scales
       vector = jnp.concatenate(flat)
       arrays = [(vector,) if kind else () for kind in arrays]
-    results = _close_call(*arrays, tuple(float(v) for v in numerators[part]), rows, history_len,
+    # The old scale_invs and amaxes of the roles written in place, in role order.
+    spares = tuple(
+        tuple(old for old, here in zip(kind[part], in_place[part]) if here and not pack)
+        for kind in (written_over or ((), ())))
+    results = _close_call(*arrays, *spares,
+                          tuple(float(v) for v in numerators[part]), rows, history_len,
                           amax_compute_algo, pack, () if pack else in_place[part], interpret)
     for collected, produced in zip(outputs, results):
       collected.extend(produced)
@@ -165,6 +179,17 @@ def _check(amaxes, histories, scales, numerators, history_len, amax_compute_algo
         raise TypeError(f"role {i}: {name} must be float32, got {jnp.result_type(value)}.")
 
 
+def _check_written_over(written_over, scales) -> None:
+  if len(written_over) != 2:
+    raise ValueError("written_over must be a pair (scale_invs, amaxes) of lists like scales; "
+                     f"got {len(written_over)} entries.")
+  for name, kind in zip(("scale_invs", "amaxes"), written_over):
+    if [jnp.shape(a) for a in kind] != [jnp.shape(s) for s in scales]:
+      raise ValueError(f"written_over's {name} must have the shapes of scales, role by role.")
+    if any(jnp.result_type(a) != jnp.float32 for a in kind):
+      raise TypeError(f"written_over's {name} must be float32.")
+
+
 def _next_power_of_two(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
@@ -226,16 +251,16 @@ def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_
 
 
 def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, has_other,
-                  packed, rolled_in_place):
+                  packed, spare_inputs, rolled_in_place):
   """refs: the inputs, then the four outputs (one ref per role each).
 
   The inputs are one ref per role for amaxes, other amaxes (if any), histories
   and scales in that order, or (`packed`) one ref holding all of them in that
-  order, concatenated. `rolled_in_place[i]`: role i's history output is its input's
-  buffer.
+  order, concatenated; then `spare_inputs` buffers that outputs are written over,
+  never read. `rolled_in_place[i]`: role i's history output is its input's buffer.
   """
   roles = len(row_counts)
-  n_inputs = 1 if packed else roles * (4 if has_other else 3)
+  n_inputs = (1 if packed else roles * (4 if has_other else 3)) + spare_inputs
   inputs, outs = refs[:n_inputs], refs[n_inputs:]
   out_scale, out_scale_inv, out_history, out_amax = (
       outs[k * roles:(k + 1) * roles] for k in range(4))
@@ -266,13 +291,15 @@ def _packed_role(ref, i, row_counts, history_len, has_other):
   return (ref, ref if has_other else None, ref, ref), starts
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _close_call(amaxes, others, histories, scales, numerators, row_counts, history_len, algo,
-                packed, in_place, interpret):
+@functools.partial(jax.jit, static_argnums=(6, 7, 8, 9, 10, 11, 12))
+def _close_call(amaxes, others, histories, scales, old_scale_invs, old_amaxes, numerators,
+                row_counts, history_len, algo, packed, in_place, interpret):
   """One launch. Each input is a tuple with one array per role; or (`packed`) each is
-  a 1-tuple of the same vector holding all of them (`_close_kernel`)."""
+  a 1-tuple of the same vector holding all of them (`_close_kernel`). `old_scale_invs`
+  and `old_amaxes`: one array per `in_place` role, or none (`close_steps`'s
+  `written_over`)."""
   roles = len(row_counts)
-  operands = (*amaxes, *others, *histories, *scales)
+  operands = (*amaxes, *others, *histories, *scales, *old_scale_invs, *old_amaxes)
   check_summed(operands)
   if packed:
     # Each kind is the one packed vector, which every role reads: repeat it per role
@@ -291,10 +318,12 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
   out_shape = (*vector(row_counts, scaled), *vector(row_counts, scaled),
                *vector([rows * history_len for rows in row_counts], rolled),
                *vector(row_counts, recorded))
-  aliases = _history_aliases(roles, bool(others), in_place, histories, rolled)
+  aliases = _in_place_aliases(roles, bool(others), in_place, histories, scales,
+                              (old_scale_invs, old_amaxes), (rolled, scaled, scaled, recorded))
   kernel = functools.partial(_close_kernel, row_counts=row_counts, numerators=numerators,
                              history_len=history_len, algo=algo, interpret=interpret,
                              has_other=bool(others), packed=packed,
+                             spare_inputs=len(old_scale_invs) + len(old_amaxes),
                              rolled_in_place=tuple(2 * roles + i in aliases.values()
                                                    for i in range(roles)))
   flat = pl.pallas_call(
@@ -305,10 +334,28 @@ def _close_call(amaxes, others, histories, scales, numerators, row_counts, histo
   return tuple(list(flat[k * roles:(k + 1) * roles]) for k in range(4))
 
 
-def _history_aliases(roles, has_other, in_place, histories, rolled) -> dict:
-  """The input/output aliases that write each `in_place` role's new history over its old
-  one. Safe in place: one program updates a role after it has loaded all of it. Not where
-  the output would vary over other `shard_map` axes than the input."""
+def _in_place_aliases(roles, has_other, in_place, histories, scales, spares, varies) -> dict:
+  """The input/output aliases that write each `in_place` role's new history and scale
+  over its old ones, and its scale_inv and amax over the `spares` (old scale_invs, old
+  amaxes: one per in-place role) where given. Safe in place: one program updates a
+  role after it has loaded all of it. Not where an output would vary over other
+  `shard_map` axes than the buffer it is written over (`varies`: how the outputs
+  scale, scale_inv, history and amax of each role vary)."""
   histories_at = roles * (2 if has_other else 1)
-  return {histories_at + i: 2 * roles + i for i in range(roles)
-          if in_place and in_place[i] and rolled[i] == varying_axes(histories[i])}
+  scales_at = histories_at + roles
+  spares_at = (scales_at + roles, scales_at + roles + len(spares[0]))
+  rolled, scaled, inverted, recorded = varies
+  aliases, spare = {}, 0
+  for i in range(roles):
+    if not (in_place and in_place[i]):
+      continue
+    writes = [(histories_at + i, 2 * roles + i, histories[i], rolled[i]),
+              (scales_at + i, i, scales[i], scaled[i])]
+    for kind, (at, out_at, varied) in enumerate(
+        ((spares_at[0], roles, inverted), (spares_at[1], 3 * roles, recorded))):
+      if spares[kind]:
+        writes.append((at + spare, out_at + i, spares[kind][spare], varied[i]))
+    spare += 1
+    if all(varying_axes(old) == varied for _, _, old, varied in writes):
+      aliases.update({operand: output for operand, output, _, _ in writes})
+  return aliases

@@ -27,7 +27,6 @@ RETURNS_NOT_YET_DOCUMENTED = {
     "fp8jax.checkpoint.is_complete",
     "fp8jax.checkpoint.read_description",
     "fp8jax.checkpoint.recipe_from_description",
-    "fp8jax.close_step",
     "fp8jax.dequantize",
     "fp8jax.deviceless.compile_ptx",
     "fp8jax.deviceless.cuda_plugin_module",

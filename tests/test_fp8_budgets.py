@@ -347,6 +347,23 @@ def test_the_demo_gpt_s_stacked_fp8_state_costs_no_kernel_per_layer():
 
 
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")
+def test_the_demo_gpt_s_donated_stacked_state_is_updated_where_it_was_without_a_copy():
+  """The demo's train step donates its FP8 state, stacked over the layers. JAX prunes
+  the arrays a step never reads from its parameters (the scale_invs of attention's
+  roles, every running amax: the step opens at 0) and pairs the donated buffers left
+  with the outputs of their shapes in order, so each new scale_inv and amax went to
+  another role's buffer, which the update was reading: XLA copied them there after it
+  (17 copies at 350m, 17 here). `value_and_grad` hands the update the state it was
+  given, whose arrays each stacked role's new ones are written over (`close_step`'s
+  `written_over`): every donated buffer takes its own array, in place. The FP8 step
+  copies exactly what the bf16 step does (its scan's activations)."""
+  copies = {name: sum(k.launches for k in _demo_gpt_step_report(2, recipe).kernels
+                      if k.category == "copy")
+            for name, recipe in (("bf16", None), ("delayed", DELAYED))}
+  assert copies["delayed"] == copies["bf16"], copies
+
+
+@pytest.mark.filterwarnings("ignore:fp8jax attention uses")
 def test_the_demo_gpt_s_weights_cost_one_launch_per_projection_at_any_depth():
   """Cast layer by layer, each projection's weight costs a block two launches (its slice
   of the float32 stack, its cast); cast before the loop (`GptConfig.cast_weights_first`,

@@ -45,14 +45,16 @@ def _assert_bitwise(got, want):
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
 
 
-@pytest.mark.parametrize("packed", [False, True, "in_place"],
-                         ids=["per_role", "packed", "in_place"])
+@pytest.mark.parametrize("packed", [False, True, "in_place", "written_over"],
+                         ids=["per_role", "packed", "in_place", "written_over"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("history_len", [1, 5, 16])
 def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
-  # "in_place": per role, the stacked roles' histories written over the old ones (the
-  # roll reads a whole history before it writes it back shifted).
-  in_place = [True, True, False, True] if packed == "in_place" else None
+  # "in_place": per role, the stacked roles' histories and scales written over the old
+  # ones (the roll reads a whole history before it writes it back shifted);
+  # "written_over": their scale_invs and amaxes too, over arrays the kernel never reads.
+  in_place = [True, True, False, True] if packed in ("in_place", "written_over") else None
+  written_over = packed == "written_over"
   packed = packed is True
   rng = np.random.default_rng(history_len * 10 + (algo == "max"))
   # Unstacked roles (1 row) and stacked ones (3 and 9 rows: not powers of two).
@@ -63,8 +65,10 @@ def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
   for other_amaxes in (None, others):
     kwargs = dict(numerators=numerators, history_len=history_len, amax_compute_algo=algo,
                   other_amaxes=other_amaxes)
+    # Old arrays unlike any output (random, NaN among them): nothing of them may show.
+    old = ([jnp.full_like(s, np.nan) for s in scales], [s * 3.0 for s in scales])
     got = close_steps(amaxes, histories, scales, packed=packed, in_place=in_place,
-                      interpret=True, **kwargs)
+                      written_over=old if written_over else None, interpret=True, **kwargs)
     want = close_steps_reference(amaxes, histories, scales, **kwargs)
     _assert_bitwise(got, want)
 
@@ -116,6 +120,12 @@ def test_mismatched_roles_raise_clear_errors():
   with pytest.raises(ValueError, match="in_place has 2 entries for 1 roles"):
     close_steps(one, one, one, [448.0], history_len=1, amax_compute_algo="max",
                 in_place=[True, False])
+  with pytest.raises(ValueError, match="written_over must be a pair"):
+    close_steps(one, one, one, [448.0], history_len=1, amax_compute_algo="max",
+                in_place=[True], written_over=(one,))
+  with pytest.raises(ValueError, match="written_over's amaxes must have the shapes"):
+    close_steps(one, one, one, [448.0], history_len=1, amax_compute_algo="max",
+                in_place=[True], written_over=(one, [jnp.zeros(2, jnp.float32)]))
 
 
 @pytest.mark.hopper
@@ -156,10 +166,18 @@ def test_a_history_rolled_in_place_is_aliased_and_read_whole_before_it_is_writte
       a, h, s, [448.0] * 2, history_len=16, amax_compute_algo="max", in_place=in_place))
   jaxpr = str(jax.make_jaxpr(close([True, False]))(amaxes, histories, amaxes))
   # Inputs: amaxes 0-1, histories 2-3, scales 4-5; outputs: scales 0-1, scale_invs 2-3,
-  # histories 4-5: the first role's history (input 2) is its output 4.
-  assert re.search(r"input_output_aliases=\(\(2, 4\),\)", jaxpr), jaxpr
+  # histories 4-5, amaxes 6-7: the first role's history (input 2) is its output 4, its
+  # scale (input 4) its output 0.
+  assert re.search(r"input_output_aliases=\(\(2, 4\), \(4, 0\)\)", jaxpr), jaxpr
   assert "input_output_aliases=()" in str(jax.make_jaxpr(close(None))(
       amaxes, histories, amaxes))
+  # With the old scale_invs and amaxes, the first role's (inputs 6 and 7: only the
+  # in-place role's are passed) are its outputs 2 and 6.
+  written = jax.make_jaxpr(lambda a, h, s, old: close_steps(
+      a, h, s, [448.0] * 2, history_len=16, amax_compute_algo="max", in_place=[True, False],
+      written_over=old))(amaxes, histories, amaxes, (amaxes, amaxes))
+  assert re.search(r"input_output_aliases=\(\(2, 4\), \(4, 0\), \(6, 2\), \(7, 6\)\)",
+                   str(written)), written
   barriers = {}
   for in_place in (None, [True, False]):
     dump = tmp_path / str(bool(in_place))

@@ -54,17 +54,33 @@ def begin_step(fp8_state):
   return map_metas(lambda m: dataclasses.replace(m, amax=jnp.zeros_like(m.amax)), fp8_state)
 
 
-def close_step(forward_state, cotangent_state):
+def close_step(forward_state, cotangent_state, *, written_over=None):
   """`end_step(merge_step(forward_state, cotangent_state))`, with the merge inside the update.
 
   What `fp8jax.value_and_grad` runs at the end of a step: the max of what the
   forward and the backward pass recorded is taken in the same fused update,
   so the merge adds no kernel per role.
+
+  Args:
+    forward_state: the state the forward pass returned.
+    cotangent_state: the gradient with respect to the state the forward pass was given.
+    written_over: optional, the state the step was given, when the step donates it
+      (`jax.jit(..., donate_argnums=...)`). On a GPU the update then writes each
+      stacked role's new arrays over that state's own, reading nothing from it: every
+      array of the donated state is an operand of the step (JAX prunes none as
+      unused), so JAX pairs each donated buffer with its own new value and XLA copies
+      nothing into the state after the update. The numbers are the same without it.
+
+  Returns:
+    The next state, structured like `forward_state`.
   """
   check_fp8_state(forward_state, "forward_state")
   check_fp8_state(cotangent_state, "cotangent_state")
   _check_same_structure(forward_state, cotangent_state)
-  return _end_step(forward_state, cotangent_state)
+  if written_over is not None:
+    check_fp8_state(written_over, "written_over")
+    _check_same_structure(forward_state, written_over, "written_over")
+  return _end_step(forward_state, cotangent_state, written_over)
 
 
 def end_step(fp8_state):
@@ -84,19 +100,22 @@ def end_step(fp8_state):
   return _end_step(fp8_state, None)
 
 
-def _end_step(fp8_state, cotangent_state):
+def _end_step(fp8_state, cotangent_state, written_over=None):
   refuse_split_state(fp8_state, "fp8_state")
   for path, meta in jax.tree_util.tree_leaves_with_path(fp8_state, is_leaf=is_meta):
     check_shapes(meta, f"fp8_state{jax.tree_util.keystr(path)}", stacked=True)
   metas, treedef = jax.tree.flatten(fp8_state, is_leaf=is_meta)
   others = (jax.tree.leaves(cotangent_state, is_leaf=is_meta) if cotangent_state is not None
             else [None] * len(metas))
+  olds = (jax.tree.leaves(written_over, is_leaf=is_meta) if written_over is not None
+          else [None] * len(metas))
   by_recipe: dict = {}
   for index, meta in enumerate(metas):
     by_recipe.setdefault(meta.recipe, []).append(index)
   closed = list(metas)
   for recipe, indices in by_recipe.items():
-    group = _close_together([metas[i] for i in indices], [others[i] for i in indices], recipe)
+    group = _close_together([metas[i] for i in indices], [others[i] for i in indices],
+                            [olds[i] for i in indices], recipe)
     for index, meta in zip(indices, group):
       if meta.rng is not None:
         meta = dataclasses.replace(meta, rng=next_step_key(meta.rng))
@@ -104,9 +123,10 @@ def _end_step(fp8_state, cotangent_state):
   return jax.tree.unflatten(treedef, closed)
 
 
-def _close_together(metas, cotangents, recipe):
+def _close_together(metas, cotangents, olds, recipe):
   """`end_step` for metas that share `recipe`: `_close_rows` on every role, run as one
-  fused kernel on a GPU (`fp8jax.ops.fused_kernels.close_steps`)."""
+  fused kernel on a GPU (`fp8jax.ops.fused_kernels.close_steps`), which writes over the
+  arrays of `olds` (the metas the step was given, or Nones: `close_step`)."""
   amaxes = [jnp.ravel(m.amax) for m in metas]
   histories = [jnp.ravel(m.amax_history) for m in metas]
   scales = [jnp.ravel(m.scale) for m in metas]
@@ -124,7 +144,9 @@ def _close_together(metas, cotangents, recipe):
     new_scales, scale_invs, new_histories, new_amaxes = fused_kernels.close_steps(
         amaxes, other_amaxes, histories, scales, numerators=numerators,
         history_len=recipe.history_len, amax_compute_algo=recipe.amax_compute_algo,
-        reference=reference)
+        reference=reference, written_over=(
+            ([jnp.ravel(m.scale_inv) for m in olds], [jnp.ravel(m.amax) for m in olds])
+            if olds[0] is not None else None))
   else:  # the recipe's own window_amax, as written
     new_scales, scale_invs, new_histories, new_amaxes = reference(
         amaxes, other_amaxes, histories, scales)
@@ -174,9 +196,9 @@ def merge_step(forward_state, cotangent_state):
                    forward_state, cotangent_state)
 
 
-def _check_same_structure(forward_state, cotangent_state) -> None:
-  if jax.tree.structure(forward_state) != jax.tree.structure(cotangent_state):
+def _check_same_structure(forward_state, other, name="cotangent_state") -> None:
+  if jax.tree.structure(forward_state) != jax.tree.structure(other):
     raise ValueError(
-        "forward_state and cotangent_state must have the same structure (the state the "
-        "forward pass returned and the gradient with respect to the state it was given); "
-        f"got {jax.tree.structure(forward_state)} and {jax.tree.structure(cotangent_state)}.")
+        f"forward_state and {name} must have the same structure (the state the forward "
+        "pass returned, and the gradient with respect to the state it was given or that "
+        f"state); got {jax.tree.structure(forward_state)} and {jax.tree.structure(other)}.")

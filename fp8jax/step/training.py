@@ -75,13 +75,14 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
     state = _open(fp8_state, (params, args))
     value, grads, (forward, cotangent) = _differentiate(loss_fn, has_aux, params, state, args)
     # The forward pass recorded x and kernel amaxes, the backward pass gradient
-    # amaxes; the step's update takes their max itself (no kernel per role).
+    # amaxes; the step's update takes their max itself (no kernel per role), and
+    # writes the new state over the one given (which a train step donates).
     if axis_name is not None or varying_axes((forward, cotangent)):
       forward, cotangent = all_reduce_amax((forward, cotangent), axis_name)
+    next_state = close_step(forward, cotangent, written_over=fp8_state)
     if report_overflow:
-      return value, grads, close_step(forward, cotangent), _any_amax_not_finite(
-          (forward, cotangent))
-    return value, grads, close_step(forward, cotangent)
+      return value, grads, next_state, _any_amax_not_finite((forward, cotangent))
+    return value, grads, next_state
 
   return wrapped
 
