@@ -144,9 +144,7 @@ def _close_together(metas, cotangents, olds, recipe):
     new_scales, scale_invs, new_histories, new_amaxes = fused_kernels.close_steps(
         amaxes, other_amaxes, histories, scales, numerators=numerators,
         history_len=recipe.history_len, amax_compute_algo=recipe.amax_compute_algo,
-        reference=reference, written_over=(
-            ([jnp.ravel(m.scale_inv) for m in olds], [jnp.ravel(m.amax) for m in olds])
-            if olds[0] is not None else None))
+        reference=reference, written_over=_old_arrays(metas, olds))
   else:  # the recipe's own window_amax, as written
     new_scales, scale_invs, new_histories, new_amaxes = reference(
         amaxes, other_amaxes, histories, scales)
@@ -162,6 +160,20 @@ def _close_together(metas, cotangents, olds, recipe):
       amax=amax.reshape(jnp.shape(meta.amax)))
       for meta, scale, scale_inv, history, amax
       in zip(metas, new_scales, scale_invs, new_histories, new_amaxes)]
+
+
+def _old_arrays(metas, olds):
+  """(scale_invs, amaxes) of `olds` for the update to write over, flattened like the
+  metas' own; None where there are none or any differs from its meta in shape or dtype
+  (a loss that returned a state of other shapes: nothing is written over then)."""
+  if olds[0] is None:
+    return None
+  for meta, old in zip(metas, olds):
+    for field in ("scale_inv", "amax"):
+      new, given = getattr(meta, field), getattr(old, field)
+      if jnp.shape(new) != jnp.shape(given) or jnp.result_type(new) != jnp.result_type(given):
+        return None
+  return [jnp.ravel(m.scale_inv) for m in olds], [jnp.ravel(m.amax) for m in olds]
 
 
 def _close_rows(amax, other_amax, history, scale, numerator, recipe):
