@@ -31,7 +31,8 @@ update in jnp, the definition the kernel matches bit for bit.
 Every role's arrays are passed as 1-D [n] (amax, scale) and 1-D [n * L]
 (history, row-major [n, L]); a meta stacked over n layers is one role with n
 rows. A launch carries at most `ROLES_PER_CALL` roles, keeping its pointer
-arguments (seven or eight per role) well inside the kernel parameter limit.
+arguments (seven to ten per role, 320 pointers at most) well inside the kernel parameter
+limit.
 """
 from __future__ import annotations
 
@@ -79,9 +80,9 @@ def close_steps(amaxes, histories, scales, numerators, *, history_len: int,
     written_over: optional pair `(scale_invs, amaxes)` of lists like `scales`: the old
       state's arrays that each `in_place` role's scale_inv and amax (0) outputs are
       written over (input/output aliases; never read). Pass the step's donated state:
-      then every array of it is an operand of the step (JAX prunes none as unused),
-      so JAX pairs each donated buffer with its own new value and XLA copies nothing
-      into the state after the launch.
+      then no in-place role's array of it is pruned as unused, so JAX pairs each
+      donated buffer with its own new value and XLA copies nothing into the state
+      after the launch.
     interpret: run the Pallas interpreter (CPU).
 
   Returns:
@@ -185,9 +186,14 @@ def _check_written_over(written_over, scales) -> None:
                      f"got {len(written_over)} entries.")
   for name, kind in zip(("scale_invs", "amaxes"), written_over):
     if [jnp.shape(a) for a in kind] != [jnp.shape(s) for s in scales]:
-      raise ValueError(f"written_over's {name} must have the shapes of scales, role by role.")
-    if any(jnp.result_type(a) != jnp.float32 for a in kind):
-      raise TypeError(f"written_over's {name} must be float32.")
+      raise ValueError(
+          f"written_over's {name} must have the shapes of scales, role by role; got "
+          f"{[jnp.shape(a) for a in kind]} for {[jnp.shape(s) for s in scales]}. Pass the "
+          "old state's arrays of those roles, or written_over=None.")
+    for i, a in enumerate(kind):
+      if jnp.result_type(a) != jnp.float32:
+        raise TypeError(f"written_over's {name}: role {i} must be float32, got "
+                        f"{jnp.result_type(a)}.")
 
 
 def _next_power_of_two(n: int) -> int:
@@ -229,7 +235,10 @@ def _close_role(amax_ref, other_ref, history_ref, scale_ref, out_scale_ref, out_
   kept = plgpu.load(history_ref.at[history_at + row2 * history_len + col2], mask=kept_mask,
                     other=0.0)
   if in_place and not interpret:
-    # The history is rolled over itself: every thread's load is done before any thread
+    # An in-place role's history and scale are written over themselves (all or none:
+    # `_in_place_aliases`), so every load of the role (its amax, scale and history
+    # above) comes before this barrier and every store after it. The history is rolled
+    # over itself: every thread's load is done before any thread
     # stores (a barrier, which the compiler moves no memory access across either).
     plgpu.debug_barrier()
   plgpu.store(out_history_ref.at[row2 * history_len + col2 + 1], kept, mask=kept_mask)
@@ -257,7 +266,8 @@ def _close_kernel(*refs, row_counts, numerators, history_len, algo, interpret, h
   The inputs are one ref per role for amaxes, other amaxes (if any), histories
   and scales in that order, or (`packed`) one ref holding all of them in that
   order, concatenated; then `spare_inputs` buffers that outputs are written over,
-  never read. `rolled_in_place[i]`: role i's history output is its input's buffer.
+  never read. `rolled_in_place[i]`: role i's history and scale outputs are its inputs'
+  buffers.
   """
   roles = len(row_counts)
   n_inputs = (1 if packed else roles * (4 if has_other else 3)) + spare_inputs

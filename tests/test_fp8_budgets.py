@@ -362,7 +362,6 @@ def test_the_demo_gpt_s_fp8_step_launches_3_kernels_a_layer_and_20_a_step_beside
            - _demo_gpt_step_report(layers, None).non_gemm_launches for layers in (2, 3)}
   per_layer = extra[3] - extra[2]
   assert per_layer == 3 and extra[2] - 2 * per_layer == 20, extra
-  assert (674 + 24 * per_layer + extra[2] - 2 * per_layer) / 674 <= 1.15
 
 
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")
@@ -379,7 +378,7 @@ def test_the_demo_gpt_s_donated_stacked_state_is_updated_where_it_was_without_a_
   copies = {name: sum(k.launches for k in _demo_gpt_step_report(2, recipe).kernels
                       if k.category == "copy")
             for name, recipe in (("bf16", None), ("delayed", DELAYED))}
-  assert copies["delayed"] == copies["bf16"], copies
+  assert copies["delayed"] == copies["bf16"] > 0, copies
 
 
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")

@@ -53,6 +53,30 @@ def test_end_step_kernel_matches_fp8jax_end_step(algo):
     metas = want
 
 
+def test_close_step_written_over_the_given_state_gives_the_jnp_update(request):
+  """`close_step(..., written_over=)` on the kernel path (Pallas interpreter, under `jit`):
+  the stacked role's new scale_inv and amax are written over the given state's arrays,
+  which hold NaN here, so any of them read would show; the numbers are the jnp update's,
+  bit for bit. A given state of other shapes (a loss that resized its state) is not
+  written over, and the step still closes."""
+  rng = np.random.default_rng(3)
+  recipe = fp8jax.DelayedScaling(amax_history_len=4)
+  stack = lambda meta, n: jax.tree.map(lambda a: jnp.stack([a] * n), meta)
+  metas = [fp8jax.init_meta(recipe, fp8jax.E4M3), stack(fp8jax.init_meta(recipe, fp8jax.E5M2), 6)]
+  record = lambda ms: [dataclasses.replace(m, amax=jnp.asarray(
+      (2.0 ** rng.uniform(-10, 10, np.shape(m.amax))).astype(np.float32))) for m in ms]
+  forward, cotangent = record(metas), record(metas)
+  given = [dataclasses.replace(m, scale_inv=jnp.full_like(m.scale_inv, np.nan),
+                               amax=jnp.full_like(m.amax, np.nan)) for m in metas]
+  want = jax.jit(fp8jax.close_step)(forward, cotangent)  # CPU: the jnp update
+  request.getfixturevalue("interpreted_kernels")  # from here on, the kernel
+  for written_over in (None, given, [stack(given[0], 2), given[1]]):
+    got = jax.jit(lambda f, c, w: fp8jax.close_step(f, c, written_over=w))(
+        forward, cotangent, written_over)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
 @pytest.mark.parametrize("fmt", [fp8jax.E4M3, fp8jax.E5M2], ids=["e4m3", "e5m2"])
 def test_cast_kernel_matches_fp8jax_quantize_amax_and_descale_products(fmt):
   rng = np.random.default_rng(7)

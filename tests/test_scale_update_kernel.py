@@ -65,7 +65,8 @@ def test_kernel_is_bitwise_equal_to_reference(algo, history_len, packed):
   for other_amaxes in (None, others):
     kwargs = dict(numerators=numerators, history_len=history_len, amax_compute_algo=algo,
                   other_amaxes=other_amaxes)
-    # Old arrays unlike any output (random, NaN among them): nothing of them may show.
+    # Old arrays unlike any output (NaN scale_invs, amaxes at 3x the scales): nothing of
+    # them may show.
     old = ([jnp.full_like(s, np.nan) for s in scales], [s * 3.0 for s in scales])
     got = close_steps(amaxes, histories, scales, packed=packed, in_place=in_place,
                       written_over=old if written_over else None, interpret=True, **kwargs)
@@ -128,6 +129,36 @@ def test_mismatched_roles_raise_clear_errors():
                 in_place=[True], written_over=(one, [jnp.zeros(2, jnp.float32)]))
 
 
+@pytest.mark.parametrize("with_other", [False, True], ids=["amaxes", "two_amaxes"])
+def test_roles_written_in_place_alias_their_old_arrays(with_other):
+  """The input/output aliases of the launch (so a donated state is updated where it is):
+  an in-place role's history and scale are written over its own, and its scale_inv and
+  amax over the old arrays `written_over` hands it (only the in-place roles' are passed,
+  in role order); a role not in place aliases nothing."""
+  spec = jax.ShapeDtypeStruct
+  rows = [1, 3, 5]  # not in place, then two stacked roles in place
+  amaxes = [spec((n,), jnp.float32) for n in rows]
+  histories = [spec((n * 16,), jnp.float32) for n in rows]
+  others = amaxes if with_other else None
+
+  def aliases(in_place, written_over):
+    jaxpr = str(jax.make_jaxpr(lambda a, o, h, s, w: close_steps(
+        a, h, s, [448.0] * 3, history_len=16, amax_compute_algo="max", other_amaxes=o,
+        in_place=in_place, written_over=w))(amaxes, others, histories, amaxes, written_over))
+    declared = re.search(r"input_output_aliases=(\(\)|\(\(.*?\)\))", jaxpr).group(1)
+    return {(int(a), int(b)) for a, b in re.findall(r"\((\d+), (\d+)\)", declared)}
+
+  # Inputs: amaxes 0-2, [other amaxes 3-5,] histories, scales, the spares; outputs:
+  # scales 0-2, scale_invs 3-5, histories 6-8, amaxes 9-11.
+  h, s = (3, 6) if not with_other else (6, 9)
+  spares = s + 3
+  want = {(h + 1, 7), (s + 1, 1), (h + 2, 8), (s + 2, 2)}
+  assert aliases([False, True, True], None) == want
+  assert aliases([False, True, True], (amaxes, amaxes)) == want | {
+      (spares, 4), (spares + 1, 5), (spares + 2, 10), (spares + 3, 11)}
+  assert aliases(None, (amaxes, amaxes)) == set()
+
+
 @pytest.mark.hopper
 @pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 def test_h100_compile_is_one_kernel_with_ieee_divisions(tmp_path):
@@ -154,30 +185,15 @@ def test_h100_compile_is_one_kernel_with_ieee_divisions(tmp_path):
 @pytest.mark.hopper
 @pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 def test_a_history_rolled_in_place_is_aliased_and_read_whole_before_it_is_written(tmp_path):
-  """`in_place`: the stacked role's history is the kernel's output buffer (an input/output
-  alias in the compiled program, so a donated state is updated where it is), and the PTX
-  has a barrier between the roll's loads and its stores (the threads of the launch read
-  the whole history before any writes over it)."""
+  """`in_place`: the PTX has a barrier between the roll's loads and its stores (the threads
+  of the launch read the whole history before any writes over it); the aliases themselves:
+  `test_roles_written_in_place_alias_their_old_arrays`."""
   spec = jax.ShapeDtypeStruct
   rows = [3, 1]  # a stacked role, rolled in place, and one that is not
   amaxes = [spec((n,), jnp.float32) for n in rows]
   histories = [spec((n * 16,), jnp.float32) for n in rows]
   close = lambda in_place: (lambda a, h, s: close_steps(
       a, h, s, [448.0] * 2, history_len=16, amax_compute_algo="max", in_place=in_place))
-  jaxpr = str(jax.make_jaxpr(close([True, False]))(amaxes, histories, amaxes))
-  # Inputs: amaxes 0-1, histories 2-3, scales 4-5; outputs: scales 0-1, scale_invs 2-3,
-  # histories 4-5, amaxes 6-7: the first role's history (input 2) is its output 4, its
-  # scale (input 4) its output 0.
-  assert re.search(r"input_output_aliases=\(\(2, 4\), \(4, 0\)\)", jaxpr), jaxpr
-  assert "input_output_aliases=()" in str(jax.make_jaxpr(close(None))(
-      amaxes, histories, amaxes))
-  # With the old scale_invs and amaxes, the first role's (inputs 6 and 7: only the
-  # in-place role's are passed) are its outputs 2 and 6.
-  written = jax.make_jaxpr(lambda a, h, s, old: close_steps(
-      a, h, s, [448.0] * 2, history_len=16, amax_compute_algo="max", in_place=[True, False],
-      written_over=old))(amaxes, histories, amaxes, (amaxes, amaxes))
-  assert re.search(r"input_output_aliases=\(\(2, 4\), \(4, 0\), \(6, 2\), \(7, 6\)\)",
-                   str(written)), written
   barriers = {}
   for in_place in (None, [True, False]):
     dump = tmp_path / str(bool(in_place))
@@ -189,12 +205,14 @@ def test_a_history_rolled_in_place_is_aliased_and_read_whole_before_it_is_writte
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("with_other", [False, True], ids=["amaxes", "two_amaxes"])
 def test_the_compiled_update_written_over_a_donated_state_is_bitwise_its_definition(
-    hopper_device):
+    with_other, hopper_device):
   """On a GPU, three steps of a jitted update that donates its state and writes the stacked
   roles' new history, scale, scale_inv and amax over their old arrays, against the jnp
   definition run by XLA: the same bits every step (each step reads what the one before
-  wrote in place)."""
+  wrote in place), and each stacked role's new arrays in the donated buffers themselves.
+  With two amaxes per role as `fp8jax.close_step` passes them (forward and backward)."""
   rng = np.random.default_rng(11)
   rows, history_len = [24, 1, 24, 3], 16
   numerators = [448.0, 57344.0, 448.0, 57344.0 / 4]
@@ -202,16 +220,15 @@ def test_the_compiled_update_written_over_a_donated_state_is_bitwise_its_definit
   kwargs = dict(numerators=numerators, history_len=history_len, amax_compute_algo="max")
 
   @jax.jit
-  def reference_step(state, amaxes):
+  def reference_step(state, amaxes, others):
     _, histories, scales, _ = state
-    return close_steps_reference(amaxes, histories, scales, **kwargs)
+    return close_steps_reference(amaxes, histories, scales, other_amaxes=others, **kwargs)
 
   @jax.jit(donate_argnums=0)
-  def kernel_step(state, amaxes):
-    _, histories, scales, _ = state
-    scale_invs, old_amaxes = state[0], state[3]
+  def kernel_step(state, amaxes, others):
+    scale_invs, histories, scales, old_amaxes = state
     new_scales, new_scale_invs, new_histories, zeros = close_steps(
-        amaxes, histories, scales, in_place=in_place,
+        amaxes, histories, scales, other_amaxes=others, in_place=in_place,
         written_over=(scale_invs, old_amaxes), **kwargs)
     return new_scale_invs, new_histories, new_scales, zeros
 
@@ -220,8 +237,14 @@ def test_the_compiled_update_written_over_a_donated_state_is_bitwise_its_definit
                           [jnp.zeros_like(s) for s in scales]), hopper_device)
   want = jax.tree.map(jnp.copy, state)
   for _ in range(3):
-    amaxes = jax.device_put(_roles(rng, rows, history_len)[0], hopper_device)
-    new_scales, new_scale_invs, new_histories, zeros = reference_step(want, amaxes)
+    amaxes, others = (jax.device_put(_roles(rng, rows, history_len)[0], hopper_device)
+                      for _ in range(2))
+    others = others if with_other else None
+    new_scales, new_scale_invs, new_histories, zeros = reference_step(want, amaxes, others)
     want = (new_scale_invs, new_histories, new_scales, zeros)
-    state = kernel_step(state, amaxes)
+    stacked_buffers = [[kind[i].unsafe_buffer_pointer() for kind in state]
+                       for i, here in enumerate(in_place) if here]
+    state = kernel_step(state, amaxes, others)
     _assert_bitwise(state, want)
+    assert [[kind[i].unsafe_buffer_pointer() for kind in state]
+            for i, here in enumerate(in_place) if here] == stacked_buffers

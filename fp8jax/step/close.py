@@ -66,10 +66,13 @@ def close_step(forward_state, cotangent_state, *, written_over=None):
     cotangent_state: the gradient with respect to the state the forward pass was given.
     written_over: optional, the state the step was given, when the step donates it
       (`jax.jit(..., donate_argnums=...)`). On a GPU the update then writes each
-      stacked role's new arrays over that state's own, reading nothing from it: every
-      array of the donated state is an operand of the step (JAX prunes none as
-      unused), so JAX pairs each donated buffer with its own new value and XLA copies
-      nothing into the state after the update. The numbers are the same without it.
+      stacked role's (a meta stacked over layers) new scale_inv and amax over that
+      state's, reading nothing from them (its new history and scale replace the
+      arrays of `forward_state`, which are the given ones), so JAX prunes none of the
+      stacked roles' arrays as unused, pairs each donated buffer with its own new value,
+      and XLA copies nothing into the state after the update. The numbers are the same
+      without it. A step that passes it but does not donate the state copies each
+      stacked role's four small arrays before the update instead.
 
   Returns:
     The next state, structured like `forward_state`.
@@ -77,13 +80,11 @@ def close_step(forward_state, cotangent_state, *, written_over=None):
   check_fp8_state(forward_state, "forward_state")
   check_fp8_state(cotangent_state, "cotangent_state")
   _check_same_structure(forward_state, cotangent_state)
-  if written_over is not None:
-    check_fp8_state(written_over, "written_over")
-    _check_same_structure(forward_state, written_over, "written_over")
+  _check_written_over(forward_state, written_over)
   return _end_step(forward_state, cotangent_state, written_over)
 
 
-def end_step(fp8_state):
+def end_step(fp8_state, *, written_over=None):
   """Closes a step: pushes each role's step amax into its history and computes its next scale.
 
   All roles that share a recipe are updated together as one vector (stacked
@@ -91,13 +92,15 @@ def end_step(fp8_state):
 
   Args:
     fp8_state: pytree of `Fp8Meta` whose `amax` holds the step's amax.
+    written_over: optional, the state the step was given: as for `close_step`.
 
   Returns:
     The same structure with finite histories, the scales (and reciprocals) for
     the next step, and running amaxes at 0.
   """
   check_fp8_state(fp8_state, "fp8_state")
-  return _end_step(fp8_state, None)
+  _check_written_over(fp8_state, written_over)
+  return _end_step(fp8_state, None, written_over)
 
 
 def _end_step(fp8_state, cotangent_state, written_over=None):
@@ -208,9 +211,20 @@ def merge_step(forward_state, cotangent_state):
                    forward_state, cotangent_state)
 
 
-def _check_same_structure(forward_state, other, name="cotangent_state") -> None:
-  if jax.tree.structure(forward_state) != jax.tree.structure(other):
+def _check_same_structure(forward_state, cotangent_state) -> None:
+  if jax.tree.structure(forward_state) != jax.tree.structure(cotangent_state):
     raise ValueError(
-        f"forward_state and {name} must have the same structure (the state the forward "
-        "pass returned, and the gradient with respect to the state it was given or that "
-        f"state); got {jax.tree.structure(forward_state)} and {jax.tree.structure(other)}.")
+        "forward_state and cotangent_state must have the same structure (the state the "
+        "forward pass returned and the gradient with respect to the state it was given); "
+        f"got {jax.tree.structure(forward_state)} and {jax.tree.structure(cotangent_state)}.")
+
+
+def _check_written_over(state, written_over) -> None:
+  if written_over is None:
+    return
+  check_fp8_state(written_over, "written_over")
+  if jax.tree.structure(state) != jax.tree.structure(written_over):
+    raise ValueError(
+        "written_over must be the state the step was given, structured like the state "
+        f"being closed; got {jax.tree.structure(written_over)} for "
+        f"{jax.tree.structure(state)}. Pass that state, or None.")

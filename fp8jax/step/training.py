@@ -40,6 +40,11 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False,
                    axis_name: AxisName = None, report_overflow: bool = False) -> Callable:
   """Wraps `loss_fn` to return `(loss, param_grads, next_fp8_state)`.
 
+  Donate the FP8 state to the jitted step (`jax.jit(..., donate_argnums=...)`): the
+  state update writes the next state over the one given (`fp8jax.close_step`'s
+  `written_over`), in place when donated; a step that does not donate it copies each
+  stacked meta's arrays (a few float32 numbers per layer) before the update.
+
   Args:
     loss_fn: `(params, fp8_state, *args) -> (loss, new_fp8_state)`, or with
       `has_aux=True`, `-> ((loss, aux), new_fp8_state)`.
@@ -197,7 +202,7 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
     value = (jnp.mean(losses), aux)
   else:
     value = jnp.mean(values)
-  return value, grads, _close(state, axis_name)
+  return value, grads, _close(state, axis_name, written_over=fp8_state)
 
 
 def _amaxes(fp8_state):
@@ -217,10 +222,10 @@ def _open(fp8_state, inputs):
   return vary_like(begin_step(fp8_state), varying_axes(inputs))
 
 
-def _close(state, axis_name):
+def _close(state, axis_name, written_over=None):
   if axis_name is not None or varying_axes(state):
     state = all_reduce_amax(state, axis_name)
-  return end_step(state)
+  return end_step(state, written_over=written_over)
 
 
 def _check_loss_fn(loss_fn) -> None:
