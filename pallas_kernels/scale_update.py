@@ -329,7 +329,7 @@ def _close_call(amaxes, others, histories, scales, old_scale_invs, old_amaxes, n
                *vector([rows * history_len for rows in row_counts], rolled),
                *vector(row_counts, recorded))
   aliases = _in_place_aliases(roles, bool(others), in_place, histories, scales,
-                              (old_scale_invs, old_amaxes), (rolled, scaled, scaled, recorded))
+                              (old_scale_invs, old_amaxes), (rolled, scaled, recorded))
   kernel = functools.partial(_close_kernel, row_counts=row_counts, numerators=numerators,
                              history_len=history_len, algo=algo, interpret=interpret,
                              has_other=bool(others), packed=packed,
@@ -349,12 +349,12 @@ def _in_place_aliases(roles, has_other, in_place, histories, scales, spares, var
   over its old ones, and its scale_inv and amax over the `spares` (old scale_invs, old
   amaxes: one per in-place role) where given. Safe in place: one program updates a
   role after it has loaded all of it. Not where an output would vary over other
-  `shard_map` axes than the buffer it is written over (`varies`: how the outputs
-  scale, scale_inv, history and amax of each role vary)."""
+  `shard_map` axes than the buffer it is written over (`varies`: how each role's history,
+  scale (and scale_inv) and amax outputs vary)."""
   histories_at = roles * (2 if has_other else 1)
   scales_at = histories_at + roles
   spares_at = (scales_at + roles, scales_at + roles + len(spares[0]))
-  rolled, scaled, inverted, recorded = varies
+  rolled, scaled, recorded = varies
   aliases, spare = {}, 0
   for i in range(roles):
     if not (in_place and in_place[i]):
@@ -362,7 +362,7 @@ def _in_place_aliases(roles, has_other, in_place, histories, scales, spares, var
     writes = [(histories_at + i, 2 * roles + i, histories[i], rolled[i]),
               (scales_at + i, i, scales[i], scaled[i])]
     for kind, (at, out_at, varied) in enumerate(
-        ((spares_at[0], roles, inverted), (spares_at[1], 3 * roles, recorded))):
+        ((spares_at[0], roles, scaled), (spares_at[1], 3 * roles, recorded))):
       if spares[kind]:
         writes.append((at + spare, out_at + i, spares[kind][spare], varied[i]))
     spare += 1

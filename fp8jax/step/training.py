@@ -202,7 +202,7 @@ def accumulate_gradients(loss_fn: Callable, params: Any, fp8_state: Any, microba
     value = (jnp.mean(losses), aux)
   else:
     value = jnp.mean(values)
-  return value, grads, _close(state, axis_name, written_over=fp8_state)
+  return value, grads, _close(state, axis_name, fp8_state)
 
 
 def _amaxes(fp8_state):
@@ -222,7 +222,7 @@ def _open(fp8_state, inputs):
   return vary_like(begin_step(fp8_state), varying_axes(inputs))
 
 
-def _close(state, axis_name, written_over=None):
+def _close(state, axis_name, written_over):
   if axis_name is not None or varying_axes(state):
     state = all_reduce_amax(state, axis_name)
   return end_step(state, written_over=written_over)
