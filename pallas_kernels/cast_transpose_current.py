@@ -19,9 +19,11 @@ from jax import lax
 
 from pallas_kernels.cast_transpose import (EXPONENT_BITS, AmaxSpec, CastSpec, ScaleFromAmax,
                                            bits_max, cast_transpose_amax_reference, launch)
+from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
                                                   check_margin, check_pass_through,
-                                                  check_products, check_x, scalar_f32)
+                                                  check_products, check_prologue, check_x,
+                                                  scalar_f32)
 from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes
 from pallas_kernels.vector_element import element_value
 
@@ -50,6 +52,7 @@ def cast_transpose_from_amax(
     fp8_dtype, fp8_max: float, margin: int = 0, power_of_two: bool = False,
     recorded_amax: jax.Array | None = None, transpose: bool = True,
     partner_descales: tuple | None = None, pass_through: tuple = (),
+    prologue: Prologue | None = None, prologue_inputs: tuple = (),
     block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(), interpret: bool = False,
 ) -> CastFromAmax:
   """Current scaling's cast in one launch: the kernel makes the scale from x's amax.
@@ -82,11 +85,15 @@ def cast_transpose_from_amax(
       tensors x meets in its GEMMs.
     pass_through: float32 arrays of at most one dimension to return copies of (see
       `cast_transpose_amax_in_chain`).
+    prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` (float32, made in
+      the kernel's registers) instead of x, as `cast_transpose_amax_in_chain`; `amax` is
+      then max|prologue.fn(...)|.
 
   Returns:
     A `CastFromAmax`.
   """
   check_x(x)
+  prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   amax = scalar_f32(amax, "amax")
   fallback_scale = scalar_f32(fallback_scale, "fallback_scale", element_ok=True)
@@ -103,11 +110,12 @@ def cast_transpose_from_amax(
   passed = check_pass_through(pass_through)
   cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
                   from_amax=ScaleFromAmax(numerator=float(fp8_max) / 2.0**margin,
-                                          power_of_two=power_of_two))
+                                          power_of_two=power_of_two), prologue=prologue)
   modes = AmaxSpec(accumulate="given", passed=tuple(int(jnp.size(a)) for a in passed))
   q, q_t, amax_out, products, _, _, copies, descale = launch(
       x, fallback_scale, amax_in, None, partners, None, None,
-      tuple(jnp.ravel(a) for a in passed), (amax, recorded_amax), cast=cast, amax=modes,
+      tuple(jnp.ravel(a) for a in passed), (amax, recorded_amax), prologue_inputs, cast=cast,
+      amax=modes,
       block_sizes=block_sizes, interpret=interpret)
   copies = tuple(c.reshape(jnp.shape(a)) for c, a in zip(copies, passed))
   return CastFromAmax(q, q_t, amax_out, descale.reshape(()), products, copies)
@@ -118,9 +126,13 @@ def cast_transpose_from_amax_reference(
     fp8_dtype, fp8_max: float, margin: int = 0, power_of_two: bool = False,
     recorded_amax: jax.Array | None = None, transpose: bool = True,
     partner_descales: tuple | None = None, pass_through: tuple = (),
+    prologue: Prologue | None = None, prologue_inputs: tuple = (),
 ) -> CastFromAmax:
   """`cast_transpose_from_amax` in plain jnp: the definition the kernel matches bit for bit."""
   check_x(x)
+  prologue_inputs = check_prologue(prologue, prologue_inputs, x)
+  if prologue is not None:
+    x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in prologue_inputs))
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   amax = scalar_f32(amax, "amax")
   fallback_scale = element_value(scalar_f32(fallback_scale, "fallback_scale", element_ok=True))

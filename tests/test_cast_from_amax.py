@@ -23,10 +23,14 @@ import fp8jax
 import pallas_kernels
 from fp8jax import deviceless
 from fp8jax.core.quantize import scale_from_amax
-from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_reference,
-                            cast_transpose_from_amax, cast_transpose_from_amax_reference)
+from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain_reference,
+                            cast_transpose_amax_reference, cast_transpose_from_amax,
+                            cast_transpose_from_amax_reference)
+from pallas_kernels.activations import GELU, GELU_BACKWARD, RMS_NORM
+from pallas_kernels.rotary_gradient import rotary_qkv_gradient
 from bitwise import assert_bitwise
 from test_cast_chain import _rng
+from test_norm_qkv_rope import _gradients, _rotary_inputs
 
 FORMATS = {"e4m3": (fp8jax.E4M3, jnp.float8_e4m3fn, 448.0),
            "e5m2": (fp8jax.E5M2, jnp.float8_e5m2, 57344.0)}
@@ -174,6 +178,42 @@ def test_bad_arguments_raise_errors_that_name_them(kwargs, message):
     (arguments if name in arguments else options)[name] = kwargs[name]
   with pytest.raises((ValueError, TypeError), match=message):
     cast_transpose_from_amax(**arguments, **options)
+
+
+def _prologue_case(name, rng):
+  """(x, prologue, its inputs, FP8 format) of each prologue fp8jax's fused ops cast with."""
+  if name == "rotary":
+    dq, dk, dv = _gradients(rng, 32)
+    return dq, rotary_qkv_gradient(32, jnp.bfloat16), (dk, dv, *_rotary_inputs(32)), "e5m2"
+  h = _tensor(rng, (100, 72), jnp.bfloat16, 3.0)
+  if name == "gelu":
+    return h, GELU, (), "e4m3"
+  if name == "gelu_backward":
+    return _tensor(rng, (100, 72), jnp.bfloat16, 1.0), GELU_BACKWARD, (h,), "e5m2"
+  r = jnp.asarray(rng.uniform(0.2, 2.0, (100, 1)), jnp.float32)  # 1 / rms of each row
+  return h, RMS_NORM, (r, jnp.asarray(rng.uniform(0.5, 1.5, (1, 72)), jnp.float32)), "e4m3"
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_backward", "rms_norm", "rotary"])
+def test_a_cast_with_a_prologue_casts_the_function_with_the_scale_of_its_amax(name):
+  """Current scaling's cast of a prologue's result (the fused MLP, norm and qkv casts):
+  the kernel is bitwise its definition, and that is the delayed-scaling chain's cast of the
+  same function (itself checked against float64 in test_fp8_mlp and test_norm_qkv_rope)
+  with the scale made from the function's amax."""
+  x, prologue, inputs, fmt = _prologue_case(name, _rng("prologue", name))
+  fp8_format, dtype, fp8_max = FORMATS[fmt]
+  value = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in inputs))
+  amax = jnp.max(jnp.abs(value))
+  options = dict(margin=1, prologue=prologue, prologue_inputs=inputs,
+                 partner_descales=(jnp.float32(0.37),), pass_through=STATE)
+  got, want = _both(x, amax, jnp.float32(0.5), jnp.float32(0), fmt, **options)
+  assert_bitwise(got, want)
+  assert got.q.shape == value.shape and float(got.amax) == float(amax)
+  scale = scale_from_amax(amax, fp8_format, 1, fallback=jnp.float32(0.5))
+  chained = cast_transpose_amax_in_chain_reference(
+      x, scale, jnp.float32(0), fp8_dtype=dtype, fp8_max=fp8_max, prologue=prologue,
+      prologue_inputs=inputs)
+  assert_bitwise((got.q, got.q_t), (chained.q, chained.q_t))
 
 
 # ----- What an H100 runs ------------------------------------------------------------------

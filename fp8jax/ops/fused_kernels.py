@@ -279,13 +279,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     raise ValueError("prologue is for casts of activations and gradients; a weight's cast "
                      "(gathered_for=...) runs under a partitioning rule without it.")
   shapes = tuple(jnp.shape(a) for a in pass_through)
-  others = tuple(prologue_inputs)
-  if len(others) != (prologue.inputs if prologue is not None else 0) or any(
-      broadcast_kind(jnp.shape(t), jnp.shape(x)) is None for t in others):
-    raise ValueError(f"prologue_inputs: got {len(others)} of shapes "
-                     f"{[jnp.shape(t) for t in others]}; the prologue takes "
-                     f"{prologue.inputs if prologue is not None else 0}, each of x's shape "
-                     f"{jnp.shape(x)}, or [R, 1] (a value per row) or [1, C] (per column).")
+  others = _checked_prologue_inputs(x, prologue, prologue_inputs)
 
   def reference(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
                 pass_through, others, valid_rows, gathered_for=None):
@@ -347,11 +341,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
       if gathered_for is None:
         # A row limit counts the whole tensor's rows, and each device's shard gets its own
         # count: it is the scalar operand after the scale.
-        heads = None if prologue is None or prologue.rotary is None else (
-            x.shape[1] // prologue.rotary, prologue.rotary)
         results = shard_local(on_leaves, kinds, tensors=1 + len(others),
                               row_limit=1 if valid_rows is not None else None,
-                              heads=heads)(x, *leaves)
+                              heads=_rotary_heads(prologue, x))(x, *leaves)
       else:
         results = shard_local_weight_cast(on_leaves)(
             x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind=kinds[2])
@@ -369,6 +361,36 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
   takes = _takes(x) and all(_takes(t) for t in others)
   cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
+
+
+def _checked_prologue_inputs(x, prologue: Prologue | None, prologue_inputs) -> tuple:
+  others = tuple(prologue_inputs)
+  if len(others) != (prologue.inputs if prologue is not None else 0) or any(
+      broadcast_kind(jnp.shape(t), jnp.shape(x)) is None for t in others):
+    raise ValueError(f"prologue_inputs: got {len(others)} of shapes "
+                     f"{[jnp.shape(t) for t in others]}; the prologue takes "
+                     f"{prologue.inputs if prologue is not None else 0}, each of x's shape "
+                     f"{jnp.shape(x)}, or [R, 1] (a value per row) or [1, C] (per column).")
+  return others
+
+
+def _rotary_heads(prologue: Prologue | None, x) -> tuple | None:
+  """(heads, head_dim) of a rotary prologue's gradient, for its sharding rule; else None."""
+  if prologue is None or prologue.rotary is None:
+    return None
+  return x.shape[1] // prologue.rotary, prologue.rotary
+
+
+def prologue_amax(x: jax.Array, prologue: Prologue, prologue_inputs: tuple) -> jax.Array:
+  """max|prologue.fn(x, *prologue_inputs)| in float32, the amax current scaling casts that
+  function's result with (`cast_from_amax`'s t_amax). Plain jnp: XLA computes it in one
+  reduction reading x and the inputs, and nothing is written for the cast to read again.
+
+  Returns:
+    float32[] (NaN where the function gives a NaN).
+  """
+  return amax(prologue.fn(x.astype(jnp.float32),
+                          *(t.astype(jnp.float32) for t in prologue_inputs)))
 
 
 def packed_scalars(scalars) -> tuple:
@@ -446,7 +468,8 @@ class ScaledCast(NamedTuple):
 def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
                    running_amax: jax.Array, fmt: Fp8Format, *, margin: int, power_of_two: bool,
                    recorded: jax.Array | None = None, partner_descales: tuple | None = None,
-                   gathered_for: jax.Array | None = None, pass_through: tuple = ()) -> ScaledCast:
+                   gathered_for: jax.Array | None = None, pass_through: tuple = (),
+                   prologue: Prologue | None = None, prologue_inputs: tuple = ()) -> ScaledCast:
   """Current scaling's cast of a 2-D x whose amax `t_amax` is already known.
 
   `scale = scale_from_amax(t_amax, fmt, margin, fallback_scale, power_of_two)`, the
@@ -468,20 +491,26 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     recorded, gathered_for, pass_through: as for `cast_in_chain`.
     partner_descales: as for `cast_in_chain`, float32[] arrays (the other casts' descales,
       which their kernels make).
+    prologue, prologue_inputs: as for `cast_in_chain`: cast `prologue.fn(x,
+      *prologue_inputs)`; t_amax is then that function's amax (`prologue_amax`).
 
   Returns:
     A `ScaledCast`.
   """
-  if pass_through and gathered_for is not None:
-    raise ValueError("pass_through is for casts of activations and gradients; a weight's cast "
-                     "(gathered_for=...) runs under a partitioning rule without it.")
+  if (pass_through or prologue is not None) and gathered_for is not None:
+    raise ValueError("pass_through and prologue are for casts of activations and gradients; "
+                     "a weight's cast (gathered_for=...) runs under a partitioning rule "
+                     "without them.")
   recorded = t_amax if recorded is None else recorded
   n_products = len(partner_descales) if partner_descales is not None else 0
   shapes = tuple(jnp.shape(a) for a in pass_through)
+  others = _checked_prologue_inputs(x, prologue, prologue_inputs)
 
   def reference(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
-                pass_through, gathered_for=None):
+                pass_through, others, gathered_for=None):
     fallback_scale, running_amax = element_value(fallback_scale), element_value(running_amax)
+    if prologue is not None:
+      x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
     scale = scale_from_amax(t_amax, fmt, margin, fallback=fallback_scale,
                             power_of_two=power_of_two)
     descale = 1.0 / scale
@@ -491,13 +520,15 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     return ScaledCast(q, q.T, amax_max(running_amax, recorded), descale, products,
                       tuple(pass_through))
 
-  def local_kernel(x, fallback_scale, t_amax, running_amax, recorded, *rest):
-    rest = list(rest)
+  def local_kernel(x, *operands):
+    tensors, (fallback_scale, t_amax, running_amax, recorded, *rest) = (
+        operands[:len(others)], operands[len(others):])
     partners = tuple(rest[:n_products]) if partner_descales is not None else None
     out = pallas_kernels.cast_transpose_from_amax(
         x, t_amax, fallback_scale, running_amax, fp8_dtype=fmt.dtype, fp8_max=fmt.max,
         margin=margin, power_of_two=power_of_two, recorded_amax=recorded,
-        partner_descales=partners, pass_through=tuple(rest[n_products:]))
+        partner_descales=partners, pass_through=tuple(rest[n_products:]), prologue=prologue,
+        prologue_inputs=tuple(tensors))
     return (out.q, out.q_t, out.amax, out.descale, *(out.products or ()), *out.passed)
 
   # Every scalar output comes from replicated operands alone: nothing to reduce.
@@ -505,15 +536,17 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
       "vector",) * len(pass_through)
 
   def kernel(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
-             pass_through, gathered_for):
-    operands = [fallback_scale, t_amax, running_amax, recorded, *(partner_descales or ())]
+             pass_through, others, gathered_for):
+    operands = [*others, fallback_scale, t_amax, running_amax, recorded,
+                *(partner_descales or ())]
     operands += [jnp.ravel(a) for a in pass_through]
     if inside_shard_map():
       results = local_kernel(x, *operands)
     else:
       on_leaves, leaves = _on_array_leaves(local_kernel, operands)
       if gathered_for is None:
-        results = shard_local(on_leaves, kinds)(x, *leaves)
+        results = shard_local(on_leaves, kinds, tensors=1 + len(others),
+                              heads=_rotary_heads(prologue, x))(x, *leaves)
       else:
         results = shard_local_weight_cast(on_leaves)(
             x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind="scalar")
@@ -523,8 +556,9 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     return ScaledCast(q, q_t, new_amax, descale, products, passed)
 
   args = (x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
-          tuple(pass_through), gathered_for)
-  cast = reference(*args) if not _takes(x) else choose(args, kernel, reference)
+          tuple(pass_through), others, gathered_for)
+  takes = _takes(x) and all(_takes(t) for t in others)
+  cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
 
 
