@@ -132,7 +132,7 @@ def _composition(x, w_in, w_out, meta_in, meta_out):
 
 
 @pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
-                         ids=["delayed-fused", "current-composed"])
+                         ids=["delayed", "current"])
 def test_fp8_mlp_is_bitwise_the_composition_in_float32(recipe):
   (loss, grads, state), = _steps(fp8_mlp, recipe, jnp.float32, steps=1)
   (want_loss, want_grads, want_state), = _steps(_composition, recipe, jnp.float32, steps=1)
@@ -144,12 +144,15 @@ def test_fp8_mlp_is_bitwise_the_composition_in_float32(recipe):
     assert float(meta.amax_history[0]) > 0
 
 
-def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request):
+@pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request, recipe):
   """bf16 activations, the prologue casts on the Pallas kernels (interpreted) against the
-  jnp path a CPU runs."""
-  want = _steps(fp8_mlp, DELAYED, jnp.bfloat16)
+  jnp path a CPU runs (under current scaling each cast makes its scale from the GELU's
+  amax, reduced before it)."""
+  want = _steps(fp8_mlp, recipe, jnp.bfloat16)
   request.getfixturevalue("interpreted_kernels")
-  got = _steps(fp8_mlp, DELAYED, jnp.bfloat16)
+  got = _steps(fp8_mlp, recipe, jnp.bfloat16)
   for (loss, grads, state), (want_loss, want_grads, want_state) in zip(got, want):
     assert_bitwise((loss, grads), (want_loss, want_grads))
     _assert_state_close(state, want_state)
@@ -197,12 +200,13 @@ def test_gelu_derivative_stays_finite_where_h_squared_overflows():
   assert np.all(error <= bound)
 
 
-def test_a_prologue_without_delayed_scaling_is_refused():
+def test_a_prologue_with_a_known_amax_of_x_is_refused():
+  """x_amax is max|x|; the cast quantizes the prologue's result, whose amax differs."""
   from fp8jax.ops import dot
   x, w_in, _, _ = _problem(jnp.float32)
   meta = fp8jax.init_dot_meta(fp8jax.CurrentScaling())
-  with pytest.raises(ValueError, match="x_prologue needs delayed scaling"):
-    dot.matrix_fwd(x, w_in, meta, None, None, x_prologue=GELU)
+  with pytest.raises(ValueError, match=r"x_amax is max\|x\|, not the amax of the x_prologue"):
+    dot.matrix_fwd(x, w_in, meta, None, None, x_amax=jnp.float32(1), x_prologue=GELU)
 
 
 class _DensePair(nn.Module):

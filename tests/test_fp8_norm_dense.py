@@ -117,7 +117,7 @@ def _composed_dense(x, scale, kernel, meta):
 
 
 @pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
-                         ids=["delayed-fused", "current-composed"])
+                         ids=["delayed", "current"])
 def test_fp8_rms_norm_dense_is_bitwise_the_composition_in_float32(recipe):
   got = _dense_steps(fp8_rms_norm_dense, recipe, jnp.float32)
   want = _dense_steps(_composed_dense, recipe, jnp.float32)
@@ -127,10 +127,12 @@ def test_fp8_rms_norm_dense_is_bitwise_the_composition_in_float32(recipe):
     assert float(meta.amax_history[0]) > 0
 
 
-def test_fp8_rms_norm_dense_on_the_kernel_path_gives_the_jnp_paths_bits(request):
-  want = _dense_steps(fp8_rms_norm_dense, DELAYED, jnp.bfloat16)
+@pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_rms_norm_dense_on_the_kernel_path_gives_the_jnp_paths_bits(request, recipe):
+  want = _dense_steps(fp8_rms_norm_dense, recipe, jnp.bfloat16)
   request.getfixturevalue("interpreted_kernels")
-  got = _dense_steps(fp8_rms_norm_dense, DELAYED, jnp.bfloat16)
+  got = _dense_steps(fp8_rms_norm_dense, recipe, jnp.bfloat16)
   assert_bitwise(got, want)
 
 

@@ -139,14 +139,14 @@ def test_a_nan_in_dk_makes_the_amax_nan_and_shapes_are_checked():
     rotary_qkv_gradient(33, jnp.bfloat16)
 
 
-def _problem(head_dim: int = 64, d_model: int = 128):
+def _problem(head_dim: int = 64, d_model: int = 128, recipe=fp8jax.DelayedScaling()):
   rng = _rng("op", head_dim, d_model)
   x = jnp.asarray(rng.standard_normal((BATCH, SEQ, d_model)) * 3.0, jnp.bfloat16)
   scale = jnp.asarray(1.0 + 0.1 * rng.standard_normal(d_model), jnp.float32)
   kernel = jnp.asarray(0.05 * rng.standard_normal((d_model, HEADS, 3, head_dim)), jnp.float32)
   cotangents = tuple(jnp.asarray(rng.standard_normal((BATCH, SEQ, HEADS, head_dim)), jnp.bfloat16)
                      for _ in range(3))
-  meta = fp8jax.init_dot_meta(fp8jax.DelayedScaling())
+  meta = fp8jax.init_dot_meta(recipe)
   return x, scale, kernel, meta, cotangents
 
 
@@ -171,10 +171,14 @@ def _step(op, cotangents, save_fp8):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
-@pytest.mark.parametrize("save_fp8", [False, True], ids=["bf16_saved", "fp8_saved"])
+@pytest.mark.parametrize("save_fp8,recipe", [
+    (False, fp8jax.DelayedScaling()), (True, fp8jax.DelayedScaling()),
+    (False, fp8jax.CurrentScaling())], ids=["bf16_saved", "fp8_saved", "current"])
 def test_the_op_is_the_composition_bit_for_bit_on_the_kernel_path_and_the_jnp_path(
-    save_fp8, request):
-  x, scale, kernel, meta, cotangents = _problem()
+    save_fp8, recipe, request):
+  """Under current scaling the gradient's cast makes its scale from the amax of the
+  stacked gradient, reduced from dq, dk, dv before it."""
+  x, scale, kernel, meta, cotangents = _problem(recipe=recipe)
   want = _step(_composed, cotangents, save_fp8)(x, scale, kernel, meta)
   jnp_path = _step(_fused, cotangents, save_fp8)(x, scale, kernel, meta)
   assert_bitwise(jnp_path, want)

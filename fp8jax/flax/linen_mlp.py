@@ -3,7 +3,7 @@
     mlp = Fp8Mlp(hidden=4 * d, recipe=fp8jax.DelayedScaling(), dtype=jnp.bfloat16)
     y = mlp(x)                                    # x [..., d] -> y [..., d]
 
-The two projections are `fp8jax.ops.mlp.fp8_mlp`'s: under delayed scaling the second
+The two projections are `fp8jax.ops.mlp.fp8_mlp`'s: under delayed and current scaling the second
 projection's FP8 cast computes the GELU of the first's output itself, and the first's
 output-gradient cast computes the GELU's backward, so neither the activation nor its
 gradient is written in bf16 and read back (see there). Parameters and state sit where a

@@ -7,7 +7,7 @@ gradient cast straight from attention's dq, dk and dv.
 
 What `fp8jax.ops.norm_qkv_rope.fp8_rms_norm_qkv_rope` computes: rms_norm(x) projected to
 each head's q, k and v by one FP8 GEMM, RoPE on q and k at positions 0, 1, ... Under delayed
-scaling the projection's casts make the normalized input themselves (no bf16 norm output)
+and current scaling the projection's casts make the normalized input themselves (no bf16 norm output)
 and its output-gradient cast reads dq, dk and dv as attention returns them (no stacked bf16
 gradient); elsewhere the same numbers by the unfused ops. Parameters and state sit where an
 `Fp8DenseGeneral(features=(heads, 3, head_dim), use_bias=False)` keeps them:

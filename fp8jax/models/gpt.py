@@ -30,11 +30,12 @@ bfloat16.
 FP8 (`recipe` given): the qkv and attention-output projections are
 `fp8jax.flax.linen.Fp8DenseGeneral`, the MLP is one `fp8jax.flax.linen_mlp.Fp8Mlp`
 (both projections and the GELU, done by their casts; two `Fp8Dense` where a projection
-stays in bf16 or under current scaling); under delayed scaling the qkv projection is
+stays in bf16); under delayed and current scaling the qkv projection is
 `fp8jax.flax.linen_qkv.Fp8NormQkvRope` (the same variables; its gradient cast reads dq,
 dk, dv as attention returns them) and each norm is made by the
 FP8 cast of the projection after it (`norm_scale=`, `fp8jax.fp8_rms_norm_dense`; the MLP's
-together with the residual add before it, `Fp8Mlp(residual=)`) and never written in bf16;
+together with the residual add before it, `Fp8Mlp(residual=)`) and never written in bf16
+(current scaling first reduces each cast function's amax from its inputs);
 the tied output projection is an `fp8jax.fp8_einsum` on the embedding table with its own
 `DotMeta`, and attention is `fp8jax.fp8_attention` with an `AttentionMeta` where its
 backend computes in FP8
@@ -100,7 +101,7 @@ from fp8jax.models import gpt_fp8_layers, gpt_moe, gpt_weights
 from fp8jax.ops.attention import attention, choose_backend, fp8_attention
 from fp8jax.ops.attention_backend import BACKENDS, DEQUANTIZING_FP8_BACKENDS, BackendChoice
 from fp8jax.ops import fused_kernels, saved_activations
-from fp8jax.ops.dot import delayed_matrix_path
+from fp8jax.ops.dot import prologue_path
 from fp8jax.ops.einsum import fp8_einsum
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.rms_norm import add_rms_norm, rms_norm
@@ -167,9 +168,10 @@ class GptConfig:
     fp8_layers: with a recipe, which projections run in FP8: "all" (the default), or
       "auto", those where the cost model predicts FP8 no slower than bf16 (the default
       layer filter's choice; `fp8jax.models.gpt_fp8_layers`), the others in bf16.
-    cast_weights_first: with a delayed-scaling recipe, cast every layer's FP8 weights
-      when the step starts, one launch per projection, instead of layer by layer in the
-      loop (`fp8jax.models.gpt_weights`): the same numbers, 192 launches fewer a 350m step.
+    cast_weights_first: with a delayed- or current-scaling recipe, cast every layer's FP8
+      weights when the step starts, one launch per projection (and under current scaling
+      one amax reduction of the stack), instead of layer by layer in the loop
+      (`fp8jax.models.gpt_weights`): the same numbers, 192 launches fewer a 350m step.
   """
 
   d_model: int
@@ -317,13 +319,11 @@ class RMSNorm(nn.Module):
 
   Called with `delta`, the residual add before it: `(x + delta, rms_norm(x + delta))`.
   `save_fp8`: the backward keeps the normalized input in FP8 (`fp8jax.ops.rms_norm`).
-  `return_amax`: also return max|output| (last), computed where the output is written.
   """
 
   eps: float
   out_dtype: Any = ACTIVATION_DTYPE
   save_fp8: bool = False
-  return_amax: bool = False
 
   # The FP8 projection after the norm normalizes (its cast does, `fp8jax.ops.norm_dense`):
   # the call returns the gain alone and normalizes nothing.
@@ -334,8 +334,7 @@ class RMSNorm(nn.Module):
     scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), PARAM_DTYPE)
     if self.in_projection:
       return scale
-    options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8,
-                   return_amax=self.return_amax)
+    options = dict(eps=self.eps, out_dtype=self.out_dtype, save_fp8=self.save_fp8)
     if delta is None:
       return rms_norm(x, scale, **options)
     return add_rms_norm(x, delta, scale, **options)
@@ -358,38 +357,13 @@ def _dense(recipe: Recipe | None, features: int, *, std: float, name: str):
   return Fp8Dense(recipe=recipe, **kwargs)
 
 
-def _project(layer, x: jax.Array, x_amax: jax.Array | None, norm: dict | None = None):
-  """`layer(x)`, handing the FP8 layer max|x| where its producer wrote it, or the norm its
-  cast applies to x (`norm`: the FP8 layers' `norm_scale`, `norm_eps`, `norm_save_fp8`)."""
-  if norm is not None:
-    return layer(x, **norm)
-  return layer(x) if x_amax is None else layer(x, x_amax=x_amax)
-
-
 def _norm_in_cast(config: GptConfig, recipe: Recipe | None, projection: str) -> bool:
   """Whether the norm before `projection` ("qkv", or "up" of the fused MLP) is made by its
-  FP8 cast (`fp8jax.ops.norm_dense`): where it reads its input in FP8 under delayed
-  scaling. Saves the norm's bf16 output and the pass writing it (both norms of the 350m
-  step: 48 launches and 0.7 ms, deviceless H100)."""
+  FP8 cast (`fp8jax.ops.norm_dense`): where it reads its input in FP8 under delayed or
+  current scaling. Saves the norm's bf16 output and the pass writing it (both norms of
+  the 350m step: 48 launches and 0.7 ms, deviceless H100)."""
   recipe = _projection_recipe(config, recipe, projection)
-  return recipe is not None and delayed_matrix_path(recipe)
-
-
-def _writes_amax(recipe: Recipe | None) -> bool:
-  """Whether the norms and the GELU hand the projection after them their output's amax
-  (`x_amax`), so that current scaling skips its amax pass over the projection's input.
-
-  Not while the norms and the GELU are XLA's: the projection's own amax is a jnp
-  reduction that XLA already computes in the kernel writing its input where it can (the
-  MLP's norm, the GELU), so a handed-over amax saves nothing, and the GELU's custom VJP
-  that returns it fuses worse than `nn.gelu` (deviceless H100, one block's train step,
-  current scaling, width and tokens 2048: 1287 us without, 1323 us with both handed over,
-  1285 us with the norms' alone; 13905 and 13957 us at 8192 without and with the norms';
-  with FP8 saved activations 1262 and 1300 us at 2048). It pays once a kernel writes the
-  output and its amax in one pass (a Pallas norm or GELU).
-  """
-  del recipe
-  return False
+  return recipe is not None and prologue_path(recipe)
 
 
 # The recipe of one projection under GptConfig.fp8_layers (None: bf16).
@@ -412,10 +386,9 @@ class CausalSelfAttention(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, x_amax: jax.Array | None = None,
-               norm: dict | None = None) -> jax.Array:
-    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `x_amax`: max|x| if known;
-    `norm`: the norm the qkv projection's cast applies to x (`_project`)."""
+  def __call__(self, x: jax.Array, norm: dict | None = None) -> jax.Array:
+    """x [batch, seq, d_model] -> [batch, seq, d_model], bf16; `norm`: the norm the qkv
+    projection's cast applies to x (`_apply_norm`)."""
     c, recipe = self.config, self.recipe
     # One projection reads h once (in FP8: one cast of h and of the kernel, one GEMM).
     # Heads outermost in its features (kernel [d, heads, 3, head_dim]), so that heads
@@ -429,8 +402,8 @@ class CausalSelfAttention(nn.Module):
                                kernel_init=nn.initializers.normal(c.init_std),
                                name="qkv")(x, **norm)
     else:
-      qkv = _project(_dense_general(qkv_recipe, (c.n_heads, 3, c.head_dim), std=c.init_std,
-                                    name="qkv"), x, x_amax, norm)
+      qkv = _dense_general(qkv_recipe, (c.n_heads, 3, c.head_dim), std=c.init_std,
+                           name="qkv")(x)
       q, k, v = split_qkv_rope(qkv, c.rope_base)
     if recipe is not None and c.fp8_attention:
       # The state exists whichever attention runs, so the tree is the same on every target.
@@ -448,25 +421,21 @@ class CausalSelfAttention(nn.Module):
 class Mlp(nn.Module):
   """`down(gelu(up(x)))` with d_ff = mlp_ratio * d_model, bias-free.
 
-  The block's MLP (under the name "mlp") where a projection is in bf16 or its recipe is not
-  delayed scaling; otherwise `Block` builds the fused `Fp8Mlp`, with the same variables.
+  The block's MLP (under the name "mlp") where a projection is in bf16 or its recipe runs
+  no prologue (per-row and per-block recipes, high-precision GEMMs); otherwise `Block`
+  builds the fused `Fp8Mlp`, with the same variables.
   """
 
   config: GptConfig
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    h = _project(_dense(_projection_recipe(c, self.recipe, "up"), c.d_ff, std=c.init_std,
-                        name="up"), x, x_amax)
-    h_amax = None
-    if _writes_amax(self.recipe):
-      h, h_amax = gelu(h, save_fp8=c.fp8_saved, return_amax=True)
-    else:
-      h = gelu(h, save_fp8=c.fp8_saved)
-    return _project(_dense(_projection_recipe(c, self.recipe, "down"), c.d_model,
-                           std=_residual_std(c), name="down"), h, h_amax)
+    h = _dense(_projection_recipe(c, self.recipe, "up"), c.d_ff, std=c.init_std, name="up")(x)
+    h = gelu(h, save_fp8=c.fp8_saved)
+    return _dense(_projection_recipe(c, self.recipe, "down"), c.d_model,
+                  std=_residual_std(c), name="down")(h)
 
 
 class Block(nn.Module):
@@ -483,27 +452,24 @@ class Block(nn.Module):
 
   def _sublayers(self, x: jax.Array) -> jax.Array:
     c, recipe = self.config, self.recipe
-    # Under current scaling each norm hands the projections after it its output's amax.
-    amax = _writes_amax(recipe)
     # Both MLP projections and the GELU as one op, the GELU done by the FP8 casts.
-    fused_mlp = not c.experts and not amax and None not in {
+    fused_mlp = not c.experts and None not in {
         _projection_recipe(c, recipe, name) for name in ("up", "down")}
-    norm = lambda name, in_cast: RMSNorm(c.norm_eps, save_fp8=c.fp8_saved, return_amax=amax,
+    norm = lambda name, in_cast: RMSNorm(c.norm_eps, save_fp8=c.fp8_saved,
                                          in_projection=in_cast, name=name)
-    _, h, h_amax, fused = _apply_norm(norm("attention_norm", _norm_in_cast(c, recipe, "qkv")),
-                                      c, x)
-    attended = CausalSelfAttention(c, recipe, name="attention")(h, h_amax, fused)
+    _, h, fused = _apply_norm(norm("attention_norm", _norm_in_cast(c, recipe, "qkv")), c, x)
+    attended = CausalSelfAttention(c, recipe, name="attention")(h, fused)
     if fused_mlp and _norm_in_cast(c, recipe, "up"):
       # The whole MLP sublayer, x + attended + mlp(norm(x + attended)), as one op.
       *_, fused = _apply_norm(norm("mlp_norm", True), c, x)
       return _fp8_mlp(c, recipe, x, residual=attended, **fused)
-    x, h, h_amax, fused = _apply_norm(norm("mlp_norm", False), c, x, attended)
-    if c.experts:  # the router and the expert GEMMs read h itself (no amax handed over)
+    x, h, _ = _apply_norm(norm("mlp_norm", False), c, x, attended)
+    if c.experts:  # the router and the expert GEMMs read h itself
       return x + gpt_moe.moe_mlp(c, recipe, dtype=ACTIVATION_DTYPE,
                                  param_dtype=PARAM_DTYPE, output_std=_residual_std(c),
                                  name="mlp")(h)
     if not fused_mlp:
-      return x + Mlp(c, recipe, name="mlp")(h, h_amax)
+      return x + Mlp(c, recipe, name="mlp")(h)
     return x + _fp8_mlp(c, recipe, h)
 
 
@@ -511,19 +477,19 @@ def _apply_norm(norm: RMSNorm, config: GptConfig, x: jax.Array, delta: jax.Array
   """A block's norm of x (x + delta with delta) for the projection after it.
 
   Returns:
-    (s, h, h_amax, fused): the residual stream (x + delta, or x), the projection's input,
-    max|h| where the norm hands it over (else None), and the norm the projection's cast
-    applies to h (its `norm_*` arguments, `norm.in_projection`; else None: h is normalized).
+    (s, h, fused): the residual stream (x + delta, or x), the projection's input, and the
+    norm the projection's cast applies to h (its `norm_*` arguments, `norm.in_projection`;
+    else None: h is normalized).
   """
   if norm.in_projection:
     if delta is not None:  # the MLP sublayer takes its residual itself (`Fp8Mlp`)
       raise ValueError("a norm made by the projection's cast adds no delta here.")
-    return x, x, None, dict(norm_scale=norm(x), norm_eps=config.norm_eps,
-                            norm_save_fp8=config.fp8_saved)
-  out = norm(x, delta)
-  out = out if isinstance(out, tuple) else (out,)
-  s, h, *h_amax = out if delta is not None else (x, *out)
-  return s, h, (h_amax[0] if h_amax else None), None
+    return x, x, dict(norm_scale=norm(x), norm_eps=config.norm_eps,
+                      norm_save_fp8=config.fp8_saved)
+  if delta is None:
+    return x, norm(x), None
+  s, h = norm(x, delta)
+  return s, h, None
 
 
 def _fp8_mlp(config: GptConfig, recipe: Recipe, h: jax.Array, **norm) -> jax.Array:

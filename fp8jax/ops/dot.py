@@ -120,17 +120,17 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: DotMeta,
     return _fp8_dot(x, kernel, meta, reused, x_amax, dims, jnp.dtype(kernel.dtype), layout)
 
 
-def delayed_matrix_path(recipe) -> bool:
-  """Whether FP8 ops under `recipe` run the matrix path's delayed-scaling casts: one scale
-  per tensor, known before the step (not made from the tensor in it), and FP8 GEMMs for
-  all three products. Only those casts apply a prologue (`fp8jax.ops.norm_dense`,
-  `fp8jax.ops.mlp`) or take a weight cast before a loop over layers
-  (`fp8jax.ops.stacked_weights`).
+def prologue_path(recipe) -> bool:
+  """Whether FP8 ops under `recipe` run the matrix path's per-tensor casts, which can cast
+  a function of their input made in the kernel (a prologue: `fp8jax.ops.norm_dense`,
+  `fp8jax.ops.mlp`, `fp8jax.ops.norm_qkv_rope`): delayed and current scaling, one scale
+  per tensor and FP8 GEMMs for all three products. Current scaling first reduces the
+  function's amax over the prologue's inputs (`fused_kernels.prologue_amax`).
 
   Returns:
     True for such a recipe.
   """
-  return not (recipe.scales_from_tensor or recipe.per_operand or recipe.high_precision)
+  return not (recipe.per_operand or recipe.high_precision)
 
 
 def _check_x_amax(x_amax) -> None:
@@ -151,8 +151,7 @@ def _reused_kernel(kernel, meta, layout):
   While collecting, the kernel is quantized here, outside the op's custom VJP,
   so that its arrays belong to the trace that will reuse them.
   """
-  supplied = None if meta.recipe.scales_from_tensor else stacked_weights.supplied(kernel,
-                                                                                    layout)
+  supplied = stacked_weights.supplied(kernel, layout)
   if supplied is not None:  # cast before the loop over layers, with this layer's scale
     return supplied
   cache = weight_reuse.current()
@@ -334,8 +333,11 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
 
   `chain`: how the cast's amax joins the layer's other casts
   (`fp8jax.ops.fused_kernels.cast_in_chain`: `tile_amaxes`, `accumulator`,
-  `reduce`, `seeds`; under delayed scaling also `prologue`, `prologue_inputs`: the cast
-  quantizes the prologue's result, see `matrix_fwd`).
+  `reduce`, `seeds`), and `prologue`, `prologue_inputs`: the cast quantizes the
+  prologue's result (see `matrix_fwd`). Under current scaling its amax is a reduction
+  of the function over the prologue's inputs (`fused_kernels.prologue_amax`), which
+  XLA computes in one pass reading them: the result is never written for the cast to
+  read again.
 
   Returns (cast, scale_inv, running): the `fused_kernels.Cast` (its `amax` the
   new running amax, or the tile maxima, whose reduction with `running` is the
@@ -348,14 +350,22 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   """
   packed = packed or {}
   if meta.recipe.scales_from_tensor:
+    prologue = chain.get("prologue")
+    with_prologue = {} if prologue is None else dict(
+        prologue=prologue, prologue_inputs=chain.get("prologue_inputs", ()))
     with jax.named_scope("amax"):
-      t_amax = amax(t) if known_amax is None else known_amax
+      if known_amax is not None:
+        t_amax = known_amax
+      elif prologue is not None:
+        t_amax = fused_kernels.prologue_amax(t, prologue, with_prologue["prologue_inputs"])
+      else:
+        t_amax = amax(t)
     cast = cast_from_amax(
         t, amax_of_whole(meta, t_amax, like), packed.get("scale", meta.scale),
         packed.get("amax", meta.amax), meta.fmt,
         margin=meta.recipe.margin, power_of_two=meta.recipe.power_of_two, recorded=t_amax,
         partner_descales=partner_descales, gathered_for=gathered_for,
-        pass_through=chain.get("pass_through", ()))
+        pass_through=chain.get("pass_through", ()), **with_prologue)
     return cast, cast.descale, None
   scale, scale_inv = packed.get("scale", meta.scale), packed.get("scale_inv", meta.scale_inv)
   running = meta.amax
@@ -397,12 +407,13 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   """The matrix path's forward: (out, new_meta, residuals).
 
   `x_prologue`: the GEMM's input is `x_prologue.fn(x, *x_prologue_inputs)`, made by x's
-  cast (`fp8jax.ops.fused_kernels.cast_in_chain`; delayed scaling, `fp8jax.ops.mlp`,
-  `fp8jax.ops.norm_dense`), each input of the folded x's shape [M, K], or [M, 1] or [1, K].
+  cast (`fp8jax.ops.fused_kernels.cast_in_chain`, or `cast_from_amax` under current
+  scaling; `fp8jax.ops.mlp`, `fp8jax.ops.norm_dense`), each input of the folded x's shape
+  [M, K], or [M, 1] or [1, K].
   """
-  if x_prologue is not None and meta.recipe.scales_from_tensor:
-    raise ValueError("x_prologue needs delayed scaling: a current-scaling cast runs no "
-                     "prologue. Apply the function to x before the dot instead.")
+  if x_prologue is not None and x_amax is not None:
+    raise ValueError("x_amax is max|x|, not the amax of the x_prologue's result that x's cast "
+                     "quantizes: pass one of them.")
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
   with_prologue = {} if x_prologue is None else dict(prologue=x_prologue,
                                                      prologue_inputs=tuple(x_prologue_inputs))
@@ -455,7 +466,7 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
     qk, qk_t, k_amax = k_cast.q, k_cast.q_t, k_cast.amax
     x_cast, scale_inv_x, _ = _quantize_matrix(x2, meta.x, x, (scale_inv_k,),
                                               known_amax=x_amax, packed=packed["x"],
-                                              pass_through=passed)
+                                              pass_through=passed, **with_prologue)
   (fprop_descale,) = x_cast.products
   with jax.named_scope("fp8_fprop"):
     out = scaled_matmul_nt(x_cast.q, qk_t, fprop_descale, x.dtype)
@@ -485,14 +496,10 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   """The matrix path's backward: (dx, dk, the grad role's cotangent).
 
   `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
-  input of g's shape), made by g's cast (delayed scaling, `fp8jax.ops.mlp`); a rotary
-  prologue makes it from g = dq and dk, dv, positions, frequencies
-  (`fp8jax.ops.norm_qkv_rope`).
+  input of g's shape), made by g's cast (`fp8jax.ops.mlp`); a rotary prologue makes it
+  from g = dq and dk, dv, positions, frequencies (`fp8jax.ops.norm_qkv_rope`).
   """
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator, grad_packed = residuals
-  if g_prologue is not None and grad_meta.recipe.scales_from_tensor:
-    raise ValueError("g_prologue needs delayed scaling: a current-scaling cast runs no "
-                     "prologue. Apply the function to the gradient before the dot instead.")
   n_free = g.ndim - (len(layout.kernel_shape) - layout.n_contract)
   g2 = explicit_mesh.to_matrix(g, n_free)
   with_prologue = {} if g_prologue is None else dict(

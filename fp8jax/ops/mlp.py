@@ -32,12 +32,14 @@ in bf16 either. With `residual` too it is the whole sublayer, `s + mlp(rms_norm(
 connection is summed in float32 and rounded once (as `fp8jax.add_rms_norm`).
 
 Numerics: a and dh are cast to FP8 from float32, not rounded to bf16 first (in the
-composition they are), and their amaxes are those of the float32 values. Their
-scales are known before they exist only under delayed scaling, so the fused form runs
-where both projections take fp8jax's lean matrix path under a delayed-scaling recipe;
-elsewhere (current scaling, per-row and per-block recipes, high-precision GEMMs, an
-explicitly sharded or shard_map-varying operand, weight reuse) `fp8_mlp` is that
-composition, with the same state.
+composition they are), and their amaxes are those of the float32 values. Under
+delayed scaling their scales are known before they exist; under current scaling each
+cast's scale is made from an amax reduced first from the cast's inputs (max|gelu(h)|
+from h, max|da gelu'(h)| from da and h: one read of them, nothing written), so the
+fused form runs where both projections take fp8jax's lean matrix path under either
+recipe; elsewhere (per-row and per-block recipes, high-precision GEMMs, an explicitly
+sharded or shard_map-varying operand, weight reuse) `fp8_mlp` is that composition, with
+the same state.
 """
 from __future__ import annotations
 

@@ -21,10 +21,11 @@ launches and 0.7 ms of its step on an H100 (deviceless estimate). The backward k
 
 Numerics: h is cast to FP8 from float32, not rounded to bf16 first (in the composition
 it is), and its amax is that of the float32 values. The fused form needs h's scale before
-h exists, so it runs where the projection takes fp8jax's lean matrix path under a
-delayed-scaling recipe; elsewhere (current scaling, per-row and per-block recipes,
-high-precision GEMMs, an explicitly sharded or shard_map-varying operand, weight reuse)
-`fp8_rms_norm_dense` is that composition, with the same state.
+h exists: delayed scaling's is the state's, current scaling's is made from max|h| reduced
+first from x and r (one more read of x; h is still never written). So it runs where the
+projection takes fp8jax's lean matrix path under either recipe; elsewhere (per-row and
+per-block recipes, high-precision GEMMs, an explicitly sharded or shard_map-varying
+operand, weight reuse) `fp8_rms_norm_dense` is that composition, with the same state.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import varying_axes
 from fp8jax.ops import rms_norm as norm_math
 from fp8jax.ops import stacked_weights, weight_reuse
-from fp8jax.ops.dot import (MatrixLayout, delayed_matrix_path, fp8_dot_general, matrix_bwd,
-                            matrix_fwd, matrix_layout)
+from fp8jax.ops.dot import (MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd,
+                            matrix_layout, prologue_path)
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
 
 # The eps of an RMSNorm made by an FP8 cast, unless given (`fp8jax.rms_norm`'s default).
@@ -96,7 +97,7 @@ def fused_layout(x, kernel, meta: DotMeta, dims, *others) -> MatrixLayout | None
   `others`: further arrays the fused op reads (a norm's gains, a residual): the fused form
   runs only where none of them varies over a `shard_map` axis or is explicitly sharded.
   """
-  if not delayed_matrix_path(meta.recipe):
+  if not prologue_path(meta.recipe):
     return None
   operands = (x, kernel) + tuple(o for o in others if o is not None)
   if varying_axes(*operands) or weight_reuse.current() is not None:

@@ -14,8 +14,9 @@ registers (`pallas_kernels.rotary_gradient`): that pass and its copy are gone (t
 3.6 ms of its step on an H100, deviceless estimate). The numbers are autodiff's, bit for
 bit (the gradient rounded to its dtype where autodiff rounds it, a zero's sign included).
 
-The fused backward runs where `fp8_rms_norm_dense` fuses (delayed scaling on fp8jax's
-lean matrix path, see that module) and head_dim is a power of two from 32 to 256 (the
+The fused backward runs where `fp8_rms_norm_dense` fuses (delayed or current scaling on
+fp8jax's lean matrix path, see that module; current scaling reduces the stacked
+gradient's amax from dq, dk, dv first) and head_dim is a power of two from 32 to 256 (the
 kernel's tile is a half head); elsewhere this is that op followed by RoPE, with the same
 state.
 """
