@@ -108,21 +108,22 @@ def test_stacked_cast_refuses_what_it_cannot_cast():
     stacked_weights.cast_layers(jnp.ones((2, 8, 8)), 2, meta.kernel)
   with pytest.raises(ValueError, match="state of 3 stacked layers"):
     stacked_weights.cast_layers(jnp.ones((3, 8, 8)), 1, meta.kernel)
-  current = jax.tree.map(lambda *a: jnp.stack(a),
-                         *[fp8jax.init_dot_meta(fp8jax.CurrentScaling())] * 2)
-  with pytest.raises(ValueError, match="makes each scale from its tensor"):
-    stacked_weights.cast_layers(jnp.ones((2, 8, 8)), 1, current.kernel)
 
 
 # ----- The ops: supplied copies give what their own casts give ---------------------------
 
 LAYERS, D, F, TOKENS = 3, 64, 128, 96
+CURRENT = fp8jax.CurrentScaling()
+# Delayed scaling casts with the state's scales; current scaling makes each layer's scale
+# from its weight's amax (the stack reduced once before the loop).
+RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
 
 
 def _layers_step(supplied: bool):
   """A step of LAYERS blocks over stacked params and state, each block
   `fp8_rms_norm_dense` (qkv-like, [D] -> [D]) then `fp8_mlp` with the residual; with
-  `supplied`, every weight cast before the loop and paired in each layer."""
+  `supplied`, every weight cast before the loop and paired in each layer (the recipe is
+  the state's)."""
 
   def loss(params, state, x):
     weights = None
@@ -149,16 +150,17 @@ def _layers_step(supplied: bool):
   return jax.jit(fp8jax.value_and_grad(loss))
 
 
-def _layers_inputs():
+def _layers_inputs(recipe=DELAYED):
   keys = jax.random.split(jax.random.key(1), 6)
   params = {"proj": jax.random.normal(keys[0], (LAYERS, D, D)) * 0.1,
             "up": jax.random.normal(keys[1], (LAYERS, D, F)) * 0.1,
             "down": jax.random.normal(keys[2], (LAYERS, F, D)) * 0.1,
             "gain": 1.0 + 0.1 * jax.random.normal(keys[3], (LAYERS, D))}
-  state = {name: jax.tree.map(lambda *a: jnp.stack(a), *[fp8jax.init_dot_meta(DELAYED)] * LAYERS)
+  state = {name: jax.tree.map(lambda *a: jnp.stack(a), *[fp8jax.init_dot_meta(recipe)] * LAYERS)
            for name in ("proj", "up", "down")}
   # Each layer's scales their own (random, positive), so that a copy cast with another
-  # layer's scale, or read by another layer, would show.
+  # layer's scale, or read by another layer, would show (under current scaling each
+  # layer's weights are of another magnitude, below, and the scales are the fallbacks).
   scale_keys = iter(jax.random.split(keys[4], 64))
 
   def randomize(meta):
@@ -171,6 +173,8 @@ def _layers_inputs():
     return dataclasses.replace(meta, kernel=kernel)
 
   state = {name: randomize(meta) for name, meta in state.items()}
+  magnitudes = jnp.array([0.5, 1.0, 3.0])[:, None, None]
+  params.update({name: params[name] * magnitudes for name in ("proj", "up", "down")})
   x = jax.random.normal(keys[5], (TOKENS, D), jnp.float32).astype(jnp.bfloat16)
   return params, state, x
 
@@ -180,9 +184,9 @@ def _assert_same(got, want):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def _supplied_and_own(monkeypatch):
+def _supplied_and_own(monkeypatch, recipe):
   calls = _spy_on_pairing(monkeypatch)
-  inputs = _layers_inputs()
+  inputs = _layers_inputs(recipe)
   supplied = _layers_step(True)(*inputs)
   # Every op of every layer took its copies: proj [D, D], up [D, F], down [F, D].
   assert calls and all(found for *_, found in calls), calls
@@ -193,13 +197,15 @@ def _supplied_and_own(monkeypatch):
   return supplied, own
 
 
-def test_ops_given_weights_cast_before_the_loop_compute_the_same_step(monkeypatch):
-  _assert_same(*_supplied_and_own(monkeypatch))
+@RECIPES
+def test_ops_given_weights_cast_before_the_loop_compute_the_same_step(monkeypatch, recipe):
+  _assert_same(*_supplied_and_own(monkeypatch, recipe))
 
 
+@RECIPES
 def test_the_stacked_kernel_in_the_interpreter_gives_the_same_step(interpreted_kernels,
-                                                                   monkeypatch):
-  _assert_same(*_supplied_and_own(monkeypatch))
+                                                                   monkeypatch, recipe):
+  _assert_same(*_supplied_and_own(monkeypatch, recipe))
 
 
 def test_only_the_paired_kernel_of_matching_shape_takes_the_copies(monkeypatch):
@@ -243,8 +249,8 @@ _BLOCK_MATRICES = {(128, 384), (128, 128), (128, 512), (512, 128)}
 _HEAD = (128, 256)
 
 
-def _gpt_steps(config, variables, tokens, accumulate: bool):
-  model = gpt.Gpt(config, DELAYED)
+def _gpt_steps(config, recipe, variables, tokens, accumulate: bool):
+  model = gpt.Gpt(config, recipe)
 
   def loss_fn(params, fp8_state, tokens):
     logits, updates = model.apply({"params": params, "fp8_meta": fp8_state}, tokens,
@@ -264,19 +270,20 @@ def _gpt_steps(config, variables, tokens, accumulate: bool):
   return loss, grads, state
 
 
-@pytest.mark.parametrize("remat,accumulate", [(False, False), (True, False), (False, True)],
-                         ids=["stored", "remat", "accumulated"])
-def test_gpt_casting_its_weights_first_trains_bit_for_bit_as_before(remat, accumulate,
+@pytest.mark.parametrize("remat,accumulate,recipe", [
+    (False, False, DELAYED), (True, False, DELAYED), (False, True, DELAYED),
+    (False, False, CURRENT)], ids=["stored", "remat", "accumulated", "current"])
+def test_gpt_casting_its_weights_first_trains_bit_for_bit_as_before(remat, accumulate, recipe,
                                                                     monkeypatch):
   config = gpt.config_for("tiny", seq_len=32, n_layers=2, remat=remat)
   tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, 256, jnp.int32)
-  variables = jax.jit(gpt.Gpt(config, DELAYED).init)(jax.random.key(0), tokens)
+  variables = jax.jit(gpt.Gpt(config, recipe).init)(jax.random.key(0), tokens)
   calls = _spy_on_pairing(monkeypatch)
   results = {}
   for first in (False, True):
     calls.clear()
     results[first] = _gpt_steps(dataclasses.replace(config, cast_weights_first=first),
-                                variables, tokens, accumulate)
+                                recipe, variables, tokens, accumulate)
     took = {(k, n) for k, n, found in calls if found}
     # Cast first, each of a block's four projections took its copies and nothing else
     # did; otherwise none did.

@@ -1,4 +1,5 @@
-"""Every layer's FP8 weights cast before a linen `nn.scan` over layers (delayed scaling).
+"""Every layer's FP8 weights cast before a linen `nn.scan` over layers (delayed or current
+scaling).
 
 A model that scans its layers with stacked params and FP8 state (`nn.scan` with
 `variable_axes={"params": 0, "fp8_meta": 0}`) can cast the weights of all its layers
@@ -25,8 +26,8 @@ to the layers as the scan's input; each layer pairs its copies with its own kern
 A projection is named by its path inside a layer ("qkv", or "mlp/up" for `Fp8Mlp`'s up
 projection), where the layer keeps its "kernel" param and its "dot_meta" state, with how
 many of the kernel's leading axes it contracts (1 for `Fp8Dense`, `len(axis)` for
-`Fp8DenseGeneral`). Projections whose state follows another recipe than delayed scaling
-on the matrix path are left to cast their own weights; so is everything while the model
+`Fp8DenseGeneral`). Projections whose state follows another recipe than delayed or current
+scaling on the matrix path are left to cast their own weights; so is everything while the model
 is initialized (no params yet). Under `fp8jax.accumulate_gradients` the weights are cast
 once per microbatch, one launch per projection (its own reuse of a weight's cast across
 microbatches applies where the loss's ops are traced, not inside a scanned layer). The
@@ -46,7 +47,7 @@ import flax.linen as nn
 
 from fp8jax.flax.linen import FP8_COLLECTION
 from fp8jax.ops import stacked_weights
-from fp8jax.ops.dot import delayed_matrix_path
+from fp8jax.ops.dot import prologue_path
 
 
 def cast_scanned_weights(module: nn.Module, scan_name: str,
@@ -61,8 +62,8 @@ def cast_scanned_weights(module: nn.Module, scan_name: str,
 
   Returns:
     {path: `stacked_weights.LayerWeights` of every layer} to pass as the scan's input,
-    or None where nothing is cast (initializing, or no projection follows delayed
-    scaling).
+    or None where nothing is cast (initializing, or no projection follows delayed or
+    current scaling).
   """
   if module.is_initializing():
     return None
@@ -78,7 +79,7 @@ def cast_scanned_weights(module: nn.Module, scan_name: str,
           f"projections names {path!r}, but the scan {scan_name!r} has no 'kernel' param and "
           f"'dot_meta' state at {path!r} in its layers; name a projection by its path inside "
           "a layer, e.g. 'qkv' or 'mlp/up'.")
-    if not delayed_matrix_path(meta.recipe):
+    if not prologue_path(meta.recipe):
       continue
     weights[path] = stacked_weights.cast_layers(kernel, n_contract, meta.kernel)
   return weights or None

@@ -1,6 +1,7 @@
 """The demo GPT's FP8 weights cast before its loop over layers (`GptConfig.cast_weights_first`).
 
-Under delayed scaling every layer's weight scale is known when the step starts, so the
+Under delayed scaling every layer's weight scale is known when the step starts (under
+current scaling one amax reduction of each stack there makes them), so the
 `Gpt` casts the weights of all its layers there, one launch per projection
 (`fp8jax.flax.linen_stacked`, `fp8jax.ops.stacked_weights`), and hands each block its
 layer's copies as the loop's scanned input; inside the block each FP8 op takes the copies
@@ -8,7 +9,7 @@ paired with its kernel instead of slicing the layer's float32 weight out of the 
 casting it (two launches a projection and layer). The numbers are the same bit for bit.
 The 350m step (deviceless H100, `fp8jax cost`): 192 launches fewer.
 
-Which projections: those in FP8 (`GptConfig.fp8_layers`) under delayed scaling, qkv, out,
+Which projections: those in FP8 (`GptConfig.fp8_layers`) under delayed or current scaling, qkv, out,
 and the dense MLP's up and down; not the MoE experts (grouped GEMMs, their own casts).
 """
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Every layer's FP8 weights cast before the loop over layers (delayed scaling).
+"""Every layer's FP8 weights cast before the loop over layers (delayed or current scaling).
 
 A model that scans its layers keeps each weight stacked, W [L, ...], with its FP8 state
 stacked alike. Cast inside the loop, layer l's weight costs two launches: a copy of the
 slice W[l] in float32 (a custom call reads no fused slice) and its cast; the 350m GPT's
 24 layers x 4 projections, 192 launches a step where its bf16 twin, whose slices and
 conversions XLA fuses into one kernel per weight, has 4. Under delayed scaling every
-layer's scale is known before the loop, so the weights can be cast there instead, as
-TransformerEngine casts its weights once per step:
+layer's scale is known before the loop, and under current scaling one reduction of the
+stack makes every layer's scale from max|W[l]| there (where each layer would reduce its
+slice), so the weights can be cast there instead, as TransformerEngine casts its weights
+once per step:
 
     fp8_weights = stacked_weights.cast_layers(W, n_contract, kernel_meta)   # before
     ...loop over layers, the scan slicing fp8_weights (a LayerWeights) per layer:
@@ -22,9 +24,9 @@ tracers) paired with copies takes those copies instead of casting the kernel: th
 path of `fp8_dot_general`, `fp8_rms_norm_dense` and `fp8_mlp`; its kernel role's new
 running amax is the one the stacked cast made, as its own cast would have made it, and
 the gradient of W_l is its usual weight gradient. The copies are made with the scales of the stacked state each
-layer's state is sliced from, and the op descales them with its own state's: pair a
-layer's copies with that layer's ops only, and the numbers are the ones the op's own cast
-gives, bit for bit.
+layer's state is sliced from (under current scaling, of each layer's weight), and the op
+descales them with its own state's (with the copies' descale): pair a layer's copies with
+that layer's ops only, and the numbers are the ones the op's own cast gives, bit for bit.
 
 Elsewhere (another recipe, a kernel not paired, a shape that does not match the op's
 matrix layout) the op casts its kernel itself, as without `supplying`.
@@ -41,7 +43,8 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from fp8jax.core.meta import Fp8Meta
-from fp8jax.mesh.axes import inside_shard_map
+from fp8jax.core.quantize import max_by_bits, scale_from_amax
+from fp8jax.mesh.axes import global_amax, inside_shard_map
 from fp8jax.mesh.partitioning import shard_local_stacked_cast
 from fp8jax.ops import fused_kernels
 from fp8jax.ops.weight_reuse import ReusedKernel, primal
@@ -57,12 +60,15 @@ class LayerWeights(NamedTuple):
     amax: float32[L] ([]): the kernel role's new running amax, max(the state's, max|W[l]|).
     seed: float32[L] ([]) zeros, each layer's a buffer of its own, which the layer's
       input cast accumulates its amax into in place (no launch initialises one).
+    descale: under current scaling float32[L] ([]): 1 / the scale each layer's copies
+      were made with, from max|W[l]|; None under delayed scaling (the op's state's own).
   """
 
   q: jax.Array
   q_t: jax.Array
   amax: jax.Array
   seed: jax.Array
+  descale: jax.Array | None = None
 
 
 def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> LayerWeights:
@@ -72,7 +78,8 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
     kernels: [L, ...] the weights of L layers (layer l's is kernels[l], whose first
       `n_contract` axes are contracted, as the op's `dimension_numbers` say).
     n_contract: how many of a layer's leading kernel axes the op contracts.
-    kernel_meta: the kernel role's `Fp8Meta` of the L layers, stacked (scale [L]).
+    kernel_meta: the kernel role's `Fp8Meta` of the L layers, stacked (scale [L]; under
+      current scaling the fallback scales, kept where a layer's amax gives none).
 
   Returns:
     A `LayerWeights` of L layers. Not differentiated: the weight's gradient comes from
@@ -81,10 +88,6 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
   if not isinstance(kernel_meta, Fp8Meta):
     raise TypeError(f"kernel_meta must be the kernel role's Fp8Meta (a DotMeta's .kernel), "
                     f"got {type(kernel_meta).__name__}.")
-  if kernel_meta.recipe.scales_from_tensor:
-    raise ValueError("cast_layers casts with the layers' delayed-scaling scales, known before "
-                     f"the loop; the recipe {kernel_meta.recipe!r} makes each scale from its "
-                     "tensor in the step, so its ops cast their own weights.")
   if jnp.ndim(kernels) < 3 or not jnp.issubdtype(jnp.result_type(kernels), jnp.floating):
     raise ValueError(f"kernels must be a floating stack [layers, ...] of at least 2-D "
                      f"kernels; got shape {jnp.shape(kernels)} and dtype "
@@ -102,6 +105,9 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
   fmt = kernel_meta.fmt
   scale = jax.lax.stop_gradient(kernel_meta.scale).astype(jnp.float32)
   running = jax.lax.stop_gradient(kernel_meta.amax).astype(jnp.float32)
+  descale = None
+  if kernel_meta.recipe.scales_from_tensor:
+    scale, descale = _scales_from_layers(stack, kernel_meta, scale)
 
   def reference(stack, scale, running):
     qs, q_ts, amaxes, seeds = pallas_kernels.cast_transpose_stacked_reference(
@@ -118,9 +124,22 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
 
   args = (stack, scale, running)
   if inside_shard_map():  # per-device code: the jnp form (a Pallas call would not vary)
-    return LayerWeights(*reference(*args))
+    return LayerWeights(*reference(*args), descale)
   return LayerWeights(*fused_kernels.choose(args, shard_local_stacked_cast(local_kernel),
-                                            reference))
+                                            reference), descale)
+
+
+def _scales_from_layers(stack: jax.Array, kernel_meta: Fp8Meta, fallback: jax.Array):
+  """Current scaling's scale and descale of each layer [L], made from max|W[l]| as the op's
+  own cast makes them (`fused_kernels.cast_from_amax`): one reduction of the whole stack
+  (the amax of the whole weight inside `jax.shard_map`), where each layer's op would
+  slice its weight out of the stack and reduce it."""
+  with jax.named_scope("amax"):
+    amaxes = global_amax(max_by_bits(jnp.abs(stack.astype(jnp.float32)), axis=(1, 2)), stack)
+  recipe = kernel_meta.recipe
+  scale = scale_from_amax(amaxes, kernel_meta.fmt, recipe.margin, fallback=fallback,
+                          power_of_two=recipe.power_of_two)
+  return scale, 1.0 / scale
 
 
 _SUPPLIED = contextvars.ContextVar("fp8jax_supplied_weights", default=())
@@ -162,5 +181,5 @@ def supplied(kernel: jax.Array, layout) -> ReusedKernel | None:
   for paired, weights in reversed(_SUPPLIED.get()):  # the innermost `supplying` first
     if paired is kernel and jnp.shape(weights.q) == (layout.k, layout.n):
       return ReusedKernel(weights.q, weights.q_t, running_amax=weights.amax,
-                          seed=weights.seed)
+                          scale_inv=weights.descale, seed=weights.seed)
   return None
