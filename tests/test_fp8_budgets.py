@@ -366,6 +366,26 @@ def test_the_demo_gpt_s_fp8_step_launches_3_kernels_a_layer_and_20_a_step_beside
   assert per_layer == 3 and extra[2] - 2 * per_layer == 20, extra
 
 
+def test_the_demo_gpt_s_current_scaling_block_launches_delayed_scaling_s_kernels_and_its_amaxes():
+  """Current scaling runs delayed scaling's fused casts (the norms, the GELU and its
+  backward, the qkv gradient made by the casts; the weights cast before the loop), so a
+  block launches delayed scaling's kernels and, besides them, only the reductions of the
+  amaxes its casts need first: 8 casts of activations and gradients, each a reduction and
+  its small second stage, and in this small model two passes XLA writes before reducing
+  (the GELU's product, the rotary gradient's stack): 18, 46 non-GEMM launches a block
+  against delayed scaling's 29. Before, a block launched 60: the norms' and the GELU's
+  bf16 outputs and gradients, the qkv gradient's stacking, and each weight's slice, amax
+  and cast besides."""
+  def per_layer(recipe, amaxes):
+    launches = {layers: sum(k.launches for k in _demo_gpt_step_report(layers, recipe).kernels
+                            if not k.is_gemm and is_amax_reduction(k) == amaxes)
+                for layers in (2, 3)}
+    return launches[3] - launches[2]
+
+  assert per_layer(CURRENT, amaxes=False) <= per_layer(DELAYED, amaxes=False)
+  assert per_layer(CURRENT, amaxes=True) <= 18 and per_layer(DELAYED, amaxes=True) == 0
+
+
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")
 def test_the_demo_gpt_s_donated_stacked_state_is_updated_where_it_was_without_a_copy():
   """The demo's train step donates its FP8 state, stacked over the layers. JAX prunes
