@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose import (EXPONENT_BITS, AmaxSpec, CastSpec, ScaleFromAmax,
                                            bits_max, cast_transpose_amax_reference, launch)
-from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
                                                   check_margin, check_pass_through,
                                                   check_products, check_prologue, check_x,

@@ -23,6 +23,7 @@ import fp8jax
 import pallas_kernels
 from fp8jax import deviceless
 from fp8jax.core.quantize import scale_from_amax
+from fp8jax.ops import fused_kernels
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain_reference,
                             cast_transpose_amax_reference, cast_transpose_from_amax,
                             cast_transpose_from_amax_reference)
@@ -204,6 +205,8 @@ def test_a_cast_with_a_prologue_casts_the_function_with_the_scale_of_its_amax(na
   fp8_format, dtype, fp8_max = FORMATS[fmt]
   value = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in inputs))
   amax = jnp.max(jnp.abs(value))
+  # What fp8jax reduces before the cast (the rotary gradient's from its parts, unstacked).
+  assert_bitwise(fused_kernels.prologue_amax(x, prologue, inputs), amax)
   options = dict(margin=1, prologue=prologue, prologue_inputs=inputs,
                  partner_descales=(jnp.float32(0.37),), pass_through=STATE)
   got, want = _both(x, amax, jnp.float32(0.5), jnp.float32(0), fmt, **options)

@@ -36,7 +36,7 @@ from fp8jax.ops.mlp import fp8_mlp
 from fp8_reference import FORMAT_TABLE, quantize_reference
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
                             cast_transpose_amax_in_chain_reference)
-from pallas_kernels.activations import GELU, GELU_BACKWARD
+from pallas_kernels.activations import GELU, GELU_BACKWARD, RMS_NORM
 
 BLOCKS = CastTransposeBlockSizes(block_rows=16, block_cols=32)
 DELAYED = fp8jax.DelayedScaling()
@@ -198,6 +198,31 @@ def test_gelu_derivative_stays_finite_where_h_squared_overflows():
   error = np.abs(np.asarray(gelu_tanh_derivative(jnp.asarray(h)), np.float64)
                  - _gelu64_derivative(h64))
   assert np.all(error <= bound)
+
+
+def test_under_current_scaling_the_casts_make_the_norm_and_the_gelu_from_their_amaxes(
+    monkeypatch):
+  """The fused form runs under current scaling too: the up projection's cast makes the
+  norm and the GELU's backward, the down projection's the GELU, each after a reduction of
+  that function's amax from its inputs (three, none of x itself)."""
+  from fp8jax.ops import fused_kernels
+  reduced = []
+  real = fused_kernels.prologue_amax
+
+  def spy(x, prologue, inputs):
+    reduced.append(prologue)
+    return real(x, prologue, inputs)
+
+  monkeypatch.setattr(fused_kernels, "prologue_amax", spy)
+  x, w_in, w_out, _ = _problem(jnp.float32)
+  meta = fp8jax.init_dot_meta(fp8jax.CurrentScaling())
+
+  def loss(x, w_in, w_out):
+    y, *_ = fp8_mlp(x, w_in, w_out, meta, meta, norm_scale=jnp.ones((96,)))
+    return jnp.sum(y.astype(jnp.float32))
+
+  jax.grad(loss)(x, w_in, w_out)
+  assert reduced == [RMS_NORM, GELU, GELU_BACKWARD], reduced
 
 
 def test_a_prologue_with_a_known_amax_of_x_is_refused():

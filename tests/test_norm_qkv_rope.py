@@ -27,6 +27,7 @@ from fp8jax.ops.norm_qkv_rope import fp8_rms_norm_qkv_rope
 from fp8jax.ops.rotary import frequencies, rope, split_qkv_rope
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
                             cast_transpose_amax_in_chain_reference)
+from pallas_kernels.activations import RMS_NORM
 from pallas_kernels.rotary_gradient import qkv_gradient, rotary_qkv_gradient
 
 E5M2 = jnp.float8_e5m2
@@ -189,6 +190,25 @@ def test_the_op_is_the_composition_bit_for_bit_on_the_kernel_path_and_the_jnp_pa
   assert all(float(jnp.max(jnp.abs(g))) > 0 for g in grads[:3])
   # The gradient's amax is recorded (the cast saw dq, dk, dv).
   assert float(grads[3].grad.amax) > 0
+
+
+def test_under_current_scaling_the_casts_make_the_norm_and_the_rotary_gradient(monkeypatch):
+  """The fused form runs under current scaling too: the forward cast makes the norm and
+  the backward's the stacked qkv gradient from dq, dk, dv, each after a reduction of that
+  function's amax (the gradient's from its parts, never stacked)."""
+  from fp8jax.ops import fused_kernels
+  reduced = []
+  real = fused_kernels.prologue_amax
+
+  def spy(x, prologue, inputs):
+    reduced.append(prologue)
+    return real(x, prologue, inputs)
+
+  monkeypatch.setattr(fused_kernels, "prologue_amax", spy)
+  x, scale, kernel, meta, cotangents = _problem(recipe=fp8jax.CurrentScaling())
+  _step(_fused, cotangents, False)(x, scale, kernel, meta)
+  assert [p.rotary for p in reduced] == [None, 64], reduced
+  assert reduced[0] is RMS_NORM
 
 
 def test_bad_inputs_name_the_argument():

@@ -175,6 +175,8 @@ def _layers_inputs(recipe=DELAYED):
   state = {name: randomize(meta) for name, meta in state.items()}
   magnitudes = jnp.array([0.5, 1.0, 3.0])[:, None, None]
   params.update({name: params[name] * magnitudes for name in ("proj", "up", "down")})
+  # A layer whose weight is all zeros: current scaling keeps that layer's fallback scale.
+  params["down"] = params["down"].at[1].set(0.0)
   x = jax.random.normal(keys[5], (TOKENS, D), jnp.float32).astype(jnp.bfloat16)
   return params, state, x
 

@@ -335,9 +335,8 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   (`fp8jax.ops.fused_kernels.cast_in_chain`: `tile_amaxes`, `accumulator`,
   `reduce`, `seeds`), and `prologue`, `prologue_inputs`: the cast quantizes the
   prologue's result (see `matrix_fwd`). Under current scaling its amax is a reduction
-  of the function over the prologue's inputs (`fused_kernels.prologue_amax`), which
-  XLA computes in one pass reading them: the result is never written for the cast to
-  read again.
+  of the function over the prologue's inputs (`fused_kernels.prologue_amax`): the
+  result itself is not written for the cast to read back.
 
   Returns (cast, scale_inv, running): the `fused_kernels.Cast` (its `amax` the
   new running amax, or the tile maxima, whose reduction with `running` is the

@@ -35,7 +35,7 @@ Numerics: a and dh are cast to FP8 from float32, not rounded to bf16 first (in t
 composition they are), and their amaxes are those of the float32 values. Under
 delayed scaling their scales are known before they exist; under current scaling each
 cast's scale is made from an amax reduced first from the cast's inputs (max|gelu(h)|
-from h, max|da gelu'(h)| from da and h: one read of them, nothing written), so the
+from h, max|da gelu'(h)| from da and h: a reduction reading them), so the
 fused form runs where both projections take fp8jax's lean matrix path under either
 recipe; elsewhere (per-row and per-block recipes, high-precision GEMMs, an explicitly
 sharded or shard_map-varying operand, weight reuse) `fp8_mlp` is that composition, with

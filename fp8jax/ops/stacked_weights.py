@@ -23,10 +23,11 @@ the copies in place. Inside
 tracers) paired with copies takes those copies instead of casting the kernel: the matrix
 path of `fp8_dot_general`, `fp8_rms_norm_dense` and `fp8_mlp`; its kernel role's new
 running amax is the one the stacked cast made, as its own cast would have made it, and
-the gradient of W_l is its usual weight gradient. The copies are made with the scales of the stacked state each
-layer's state is sliced from (under current scaling, of each layer's weight), and the op
-descales them with its own state's (with the copies' descale): pair a layer's copies with
-that layer's ops only, and the numbers are the ones the op's own cast gives, bit for bit.
+the gradient of W_l is its usual weight gradient. The copies are made with the scales of
+the stacked state each layer's state is sliced from (under current scaling, the scales of
+each layer's weight), and the op descales them with its state's scale_inv under delayed
+scaling, with the copies' descale under current scaling: pair a layer's copies with that
+layer's ops only, and the numbers are the ones the op's own cast gives, bit for bit.
 
 Elsewhere (another recipe, a kernel not paired, a shape that does not match the op's
 matrix layout) the op casts its kernel itself, as without `supplying`.
@@ -88,6 +89,10 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
   if not isinstance(kernel_meta, Fp8Meta):
     raise TypeError(f"kernel_meta must be the kernel role's Fp8Meta (a DotMeta's .kernel), "
                     f"got {type(kernel_meta).__name__}.")
+  if kernel_meta.recipe.per_operand or kernel_meta.recipe.high_precision:
+    raise ValueError(f"cast_layers makes one scale per layer's weight (delayed or current "
+                     f"scaling); the recipe {kernel_meta.recipe!r} scales per row or block, or "
+                     "keeps a GEMM in high precision, so its ops cast their own weights.")
   if jnp.ndim(kernels) < 3 or not jnp.issubdtype(jnp.result_type(kernels), jnp.floating):
     raise ValueError(f"kernels must be a floating stack [layers, ...] of at least 2-D "
                      f"kernels; got shape {jnp.shape(kernels)} and dtype "
@@ -132,8 +137,9 @@ def cast_layers(kernels: jax.Array, n_contract: int, kernel_meta: Fp8Meta) -> La
 def _scales_from_layers(stack: jax.Array, kernel_meta: Fp8Meta, fallback: jax.Array):
   """Current scaling's scale and descale of each layer [L], made from max|W[l]| as the op's
   own cast makes them (`fused_kernels.cast_from_amax`): one reduction of the whole stack
-  (the amax of the whole weight inside `jax.shard_map`), where each layer's op would
-  slice its weight out of the stack and reduce it."""
+  (the amax of the whole weight inside `jax.shard_map`, where the stack's layer axis is
+  whole: an op drops copies whose kernel varies over a mesh axis), where each layer's op
+  would slice its weight out of the stack and reduce it."""
   with jax.named_scope("amax"):
     amaxes = global_amax(max_by_bits(jnp.abs(stack.astype(jnp.float32)), axis=(1, 2)), stack)
   recipe = kernel_meta.recipe
@@ -172,7 +178,8 @@ def supplied(kernel: jax.Array, layout) -> ReusedKernel | None:
     layout: the op's `fp8jax.ops.dot.MatrixLayout` (None: not a matrix product).
 
   Returns:
-    A `weight_reuse.ReusedKernel` (with the op's state's own descale) where `kernel` is
+    A `weight_reuse.ReusedKernel` (its descale the copies' under current scaling, else
+    None: the op's state's own) where `kernel` is
     paired and its copies' matrix is the layout's [k, n]; else None.
   """
   if layout is None:
