@@ -173,6 +173,22 @@ def interpreted_kernels(monkeypatch):
 
 
 @pytest.fixture
+def reduced_prologues(monkeypatch) -> list:
+  """The prologues (`pallas_kernels.activations.Prologue`) whose amax current scaling's
+  casts reduce before casting (`fused_kernels.prologue_amax`), in the order traced."""
+  from fp8jax.ops import fused_kernels
+  reduced = []
+  real = fused_kernels.prologue_amax
+
+  def spy(x, prologue, inputs):
+    reduced.append(prologue)
+    return real(x, prologue, inputs)
+
+  monkeypatch.setattr(fused_kernels, "prologue_amax", spy)
+  return reduced
+
+
+@pytest.fixture
 def hopper_device():
   """The first Hopper (sm_90) GPU; skips the test where there is none.
 

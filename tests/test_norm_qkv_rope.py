@@ -192,23 +192,15 @@ def test_the_op_is_the_composition_bit_for_bit_on_the_kernel_path_and_the_jnp_pa
   assert float(grads[3].grad.amax) > 0
 
 
-def test_under_current_scaling_the_casts_make_the_norm_and_the_rotary_gradient(monkeypatch):
+def test_under_current_scaling_the_casts_make_the_norm_and_the_rotary_gradient(
+    reduced_prologues):
   """The fused form runs under current scaling too: the forward cast makes the norm and
   the backward's the stacked qkv gradient from dq, dk, dv, each after a reduction of that
   function's amax (the gradient's from its parts, never stacked)."""
-  from fp8jax.ops import fused_kernels
-  reduced = []
-  real = fused_kernels.prologue_amax
-
-  def spy(x, prologue, inputs):
-    reduced.append(prologue)
-    return real(x, prologue, inputs)
-
-  monkeypatch.setattr(fused_kernels, "prologue_amax", spy)
   x, scale, kernel, meta, cotangents = _problem(recipe=fp8jax.CurrentScaling())
   _step(_fused, cotangents, False)(x, scale, kernel, meta)
-  assert [p.rotary for p in reduced] == [None, 64], reduced
-  assert reduced[0] is RMS_NORM
+  assert [p.rotary for p in reduced_prologues] == [None, 64], reduced_prologues
+  assert reduced_prologues[0] is RMS_NORM
 
 
 def test_bad_inputs_name_the_argument():
