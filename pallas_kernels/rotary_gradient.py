@@ -68,33 +68,18 @@ def qkv_gradient(dq, dk, dv, positions, frequencies, *, head_dim: int, dtype) ->
     float32 [R, H * 3 * head_dim] (values of `dtype`).
   """
   rows, columns = dq.shape
-  heads = columns // head_dim
-  q1, q2, k1, k2, value = qkv_gradient_parts(dq, dk, dv, positions, frequencies,
-                                             head_dim=head_dim, dtype=dtype)
-  turned = lambda first, second: jnp.concatenate([first, second], axis=-1)
-  stacked = jnp.stack([turned(q1, q2), turned(k1, k2), value], axis=2)
-  return stacked.reshape(rows, heads * SLOTS * head_dim)
-
-
-def qkv_gradient_parts(dq, dk, dv, positions, frequencies, *, head_dim: int,
-                       dtype) -> tuple[jax.Array, ...]:
-  """The stacked qkv output gradient's parts (`qkv_gradient`'s arguments), not stacked:
-  for its amax without writing the stack (a reduction of each part).
-
-  Returns:
-    float32 (dq's first half turned back, its second half, dk's two halves) [R, H,
-    head_dim / 2] and dv [R, H, head_dim] (+0 for its zeros), values of `dtype`.
-  """
-  rows, columns = dq.shape
   heads, half = columns // head_dim, head_dim // 2
   angle = (positions * frequencies).reshape(rows, heads, 2, half)[:, :, 0]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
 
-  def halves(g):
+  def turned(g):
     g = g.reshape(rows, heads, 2, half)
-    return turn_back(g[:, :, 0], g[:, :, 1], cos, sin, dtype)
+    first, second = turn_back(g[:, :, 0], g[:, :, 1], cos, sin, dtype)
+    return jnp.concatenate([first, second], axis=-1)
 
-  return (*halves(dq), *halves(dk), positive_zero(dv.reshape(rows, heads, head_dim)))
+  value = positive_zero(dv.reshape(rows, heads, head_dim))
+  stacked = jnp.stack([turned(dq), turned(dk), value], axis=2)
+  return stacked.reshape(rows, heads * SLOTS * head_dim)
 
 
 def turn_back(g1, g2, cos, sin, dtype) -> tuple[jax.Array, jax.Array]:

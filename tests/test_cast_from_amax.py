@@ -205,7 +205,7 @@ def test_a_cast_with_a_prologue_casts_the_function_with_the_scale_of_its_amax(na
   fp8_format, dtype, fp8_max = FORMATS[fmt]
   value = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in inputs))
   amax = jnp.max(jnp.abs(value))
-  # What fp8jax reduces before the cast (the rotary gradient's from its parts, unstacked).
+  # What fp8jax reduces before the cast.
   assert_bitwise(fused_kernels.prologue_amax(x, prologue, inputs), amax)
   options = dict(margin=1, prologue=prologue, prologue_inputs=inputs,
                  partner_descales=(jnp.float32(0.37),), pass_through=STATE)

@@ -196,7 +196,7 @@ def test_under_current_scaling_the_casts_make_the_norm_and_the_rotary_gradient(
     reduced_prologues):
   """The fused form runs under current scaling too: the forward cast makes the norm and
   the backward's the stacked qkv gradient from dq, dk, dv, each after a reduction of that
-  function's amax (the gradient's from its parts, never stacked)."""
+  function's amax."""
   x, scale, kernel, meta, cotangents = _problem(recipe=fp8jax.CurrentScaling())
   _step(_fused, cotangents, False)(x, scale, kernel, meta)
   assert [p.rotary for p in reduced_prologues] == [None, 64], reduced_prologues
