@@ -34,6 +34,7 @@ from fp8jax.ops import saved_activations
 from fp8jax.ops.gelu import gelu
 from fp8jax.ops.mlp import fp8_mlp
 from fp8_reference import FORMAT_TABLE, quantize_reference
+from multidevice import multidevice
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
                             cast_transpose_amax_in_chain_reference)
 from pallas_kernels.activations import GELU, GELU_BACKWARD, RMS_NORM
@@ -214,6 +215,47 @@ def test_under_current_scaling_the_casts_make_the_norm_and_the_gelu_from_their_a
 
   jax.grad(loss)(x, w_in, w_out)
   assert reduced_prologues == [RMS_NORM, GELU, GELU_BACKWARD], reduced_prologues
+
+
+@multidevice
+def test_current_scaling_s_fused_casts_on_a_data_mesh_give_the_one_device_step(
+    interpreted_kernels, reduced_prologues):
+  """The fused MLP with its norm under current scaling, its rows split over 8 devices,
+  its casts on the (interpreted) kernels: each device casts its rows of the norm, the GELU
+  and the GELU's backward with the prologue's inputs split alike (the per-row 1/rms with
+  them, the gains whole), with the scale of the whole tensor's amax. The step is the
+  one-device step's within float32 summation order: XLA on CPU compiles the sharded
+  program's row reductions and 12-row products unlike the 96-row ones (a last bit of a
+  norm's 1/rms, of a GEMM's output), and the weight gradients sum rows across devices.
+  A prologue input split unlike its rows, or a scale from one shard's amax, is off by far
+  more."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  # float32 activations: in bf16 a last-bit difference of a GEMM's accumulation is
+  # rounded up to 2**-8 of a value.
+  x, w_in, w_out, target = _problem(jnp.float32)
+  x, target = x.reshape(-1, 96), target.reshape(-1, 80)   # 96 rows: 12 per device
+  gain = jnp.asarray(_rng("gain").uniform(0.5, 1.5, 96), jnp.float32)
+  state = {"in": warm_dot_meta(fp8jax.CurrentScaling(), (60.0, 200.0, 3000.0)),
+           "out": warm_dot_meta(fp8jax.CurrentScaling(), (100.0, 300.0, 2000.0))}
+
+  def loss(params, state, x):
+    y, meta_in, meta_out = fp8_mlp(x, params["in"], params["out"], state["in"], state["out"],
+                                   norm_scale=gain)
+    return jnp.sum(y.astype(jnp.float32) * target), {"in": meta_in, "out": meta_out}
+
+  step = jax.jit(fp8jax.value_and_grad(loss))
+  params = {"in": w_in, "out": w_out}
+  want = step(params, state, x)
+  rows = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",)), P("data"))
+  got = step(params, state, jax.device_put(x, rows))
+  assert reduced_prologues, "the fused casts did not run"
+  (got_loss, got_grads, got_state), (want_loss, want_grads, want_state) = got, want
+  # Each amax within a few float32 ulps (2**-20), and its scale with it.
+  for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2.0**-20)
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_a_prologue_with_a_known_amax_of_x_is_refused():
