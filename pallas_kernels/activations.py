@@ -78,6 +78,15 @@ class Prologue:
       raise ValueError(f"Prologue.rotary={self.rotary!r} must be an even head_dim >= 2, with "
                        f"rotary_dtype (got {self.rotary_dtype!r}).")
 
+  def applied_to(self, x: jax.Array, inputs) -> jax.Array:
+    """`fn` of x and the further tensors, each taken in float32: what a cast quantizes, in
+    the jnp form the kernels are checked against.
+
+    Returns:
+      float32, x's shape ([R, 3 C] for a rotary prologue).
+    """
+    return self.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in inputs))
+
 
 def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:
   """RMSNorm's output `(x r) g` in float32, from x [R, C], each row's r = 1 / rms [R, 1] and

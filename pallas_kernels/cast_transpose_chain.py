@@ -143,7 +143,7 @@ def cast_transpose_amax_in_chain_reference(
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   _check_rotary(prologue, tile_amaxes, valid_rows)
   if prologue is not None:
-    x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in prologue_inputs))
+    x = prologue.applied_to(x, prologue_inputs)
   x = rows_in_use(x, row_limit(valid_rows))
   check_flag(tile_amaxes, "tile_amaxes")
   check_block_sizes(block_sizes)

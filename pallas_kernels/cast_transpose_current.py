@@ -132,7 +132,7 @@ def cast_transpose_from_amax_reference(
   check_x(x)
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   if prologue is not None:
-    x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in prologue_inputs))
+    x = prologue.applied_to(x, prologue_inputs)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
   amax = scalar_f32(amax, "amax")
   fallback_scale = element_value(scalar_f32(fallback_scale, "fallback_scale", element_ok=True))

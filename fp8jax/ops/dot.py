@@ -349,14 +349,12 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
   """
   packed = packed or {}
   if meta.recipe.scales_from_tensor:
-    prologue = chain.get("prologue")
-    with_prologue = {} if prologue is None else dict(
-        prologue=prologue, prologue_inputs=chain.get("prologue_inputs", ()))
+    prologue, prologue_inputs = chain.get("prologue"), chain.get("prologue_inputs", ())
     with jax.named_scope("amax"):
       if known_amax is not None:
         t_amax = known_amax
       elif prologue is not None:
-        t_amax = fused_kernels.prologue_amax(t, prologue, with_prologue["prologue_inputs"])
+        t_amax = fused_kernels.prologue_amax(t, prologue, prologue_inputs)
       else:
         t_amax = amax(t)
     cast = cast_from_amax(
@@ -364,7 +362,8 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
         packed.get("amax", meta.amax), meta.fmt,
         margin=meta.recipe.margin, power_of_two=meta.recipe.power_of_two, recorded=t_amax,
         partner_descales=partner_descales, gathered_for=gathered_for,
-        pass_through=chain.get("pass_through", ()), **with_prologue)
+        pass_through=chain.get("pass_through", ()), prologue=prologue,
+        prologue_inputs=prologue_inputs)
     return cast, cast.descale, None
   scale, scale_inv = packed.get("scale", meta.scale), packed.get("scale_inv", meta.scale_inv)
   running = meta.amax

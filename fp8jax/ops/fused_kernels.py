@@ -287,7 +287,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     if with_products:
       partner_descales = tuple(map(element_value, partner_descales))
     if prologue is not None:
-      x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
+      x = prologue.applied_to(x, others)
     x = pallas_kernels.rows_in_use(x, valid_rows)
     q = quantize(x, scale, fmt)
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
@@ -397,8 +397,7 @@ def prologue_amax(x: jax.Array, prologue: Prologue, prologue_inputs: tuple) -> j
   Returns:
     float32[] (NaN where the function gives a NaN).
   """
-  return amax(prologue.fn(x.astype(jnp.float32),
-                          *(t.astype(jnp.float32) for t in prologue_inputs)))
+  return amax(prologue.applied_to(x, prologue_inputs))
 
 
 def packed_scalars(scalars) -> tuple:
@@ -518,7 +517,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
                 pass_through, others, gathered_for=None):
     fallback_scale, running_amax = element_value(fallback_scale), element_value(running_amax)
     if prologue is not None:
-      x = prologue.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in others))
+      x = prologue.applied_to(x, others)
     scale = scale_from_amax(t_amax, fmt, margin, fallback=fallback_scale,
                             power_of_two=power_of_two)
     descale = 1.0 / scale
