@@ -24,6 +24,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cast_transpose_tiling import GROUP_COLUMNS
+
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 
@@ -47,6 +49,23 @@ def gelu_tanh_backward(g: jax.Array, h: jax.Array) -> jax.Array:
   return g * gelu_tanh_derivative(h)
 
 
+def per_group(values: jax.Array, columns: int) -> jax.Array:
+  """One value per row and group of `GROUP_COLUMNS` columns, [R, ceil(C / GROUP_COLUMNS)],
+  as the [R, columns] it covers; a cast kernel's tile is one group wide and reads the
+  tile's [rows, 1] values, which broadcast as they are."""
+  if values.shape[-1] == 1:
+    return values
+  return jnp.repeat(values, GROUP_COLUMNS, axis=-1)[..., :columns]
+
+
+def gelu_tanh_backward_from_fp8(g: jax.Array, codes: jax.Array,
+                                scale_inv: jax.Array) -> jax.Array:
+  """`gelu_tanh_backward(g, h)` with h kept in FP8, one power-of-two descale per row and
+  group of columns (`fp8jax.ops.saved_activations`): h = codes * scale_inv, exact in
+  float32 (all float32)."""
+  return gelu_tanh_backward(g, codes * per_group(scale_inv, codes.shape[-1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Prologue:
   """An elementwise function a cast kernel applies before it quantizes (static).
@@ -55,7 +74,8 @@ class Prologue:
     fn: float32 tiles -> the float32 tile to cast: `fn(x)` with `inputs` 0, else
       `fn(x, *others)`. `fn` of zeros must be 0 (a masked edge tile reads zeros).
     inputs: how many more tensors it reads (0, 1 or 2), each of x's shape [R, C] or
-      broadcast along one axis: [R, 1] (a value per row) or [1, C] (per column).
+      broadcast along one axis: [R, 1] (a value per row) or [1, C] (per column), or one
+      value per row and group of columns, [R, ceil(C / GROUP_COLUMNS)] (`per_group`).
     rotary: None, or the head_dim of the qkv output gradient made from (dq, dk, dv) and
       RoPE's transpose (`pallas_kernels.rotary_gradient`): then `fn` is not elementwise
       (it maps x [R, C] and 4 inputs to [R, 3 C]) and the kernel computes it its own way.
@@ -99,4 +119,7 @@ def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> j
 # the cast of the projection it feeds.
 GELU = Prologue(gelu_tanh)
 GELU_BACKWARD = Prologue(gelu_tanh_backward, inputs=1)
+# The GELU's backward reading its input as the FP8 copy the forward kept: the codes
+# [R, C] and one descale per row and group of columns [R, ceil(C / GROUP_COLUMNS)].
+GELU_BACKWARD_FROM_FP8 = Prologue(gelu_tanh_backward_from_fp8, inputs=2)
 RMS_NORM = Prologue(rms_normalize, inputs=2)

@@ -69,8 +69,9 @@ from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import (broadcast_kind, check_block_sizes,
                                                   check_flag, check_fp8, check_products,
                                                   check_x, row_limit, scalar_f32)
-from pallas_kernels.cast_transpose_tiling import (ABS_MASK, CastTransposeBlockSizes, Tiling,
-                                                  tile_count, tile_mask, tiling_for)
+from pallas_kernels.cast_transpose_tiling import (ABS_MASK, GROUP_COLUMNS,
+                                                  CastTransposeBlockSizes, Tiling, tile_count,
+                                                  tile_mask, tiling_for)
 from pallas_kernels.varying import check_summed, out_struct, vary, varying_axes
 from pallas_kernels.vector_element import VectorElement, element_value
 
@@ -148,7 +149,8 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
   """One [block_rows, block_cols] tile: Q, Q^T (per `cast`) and the amax.
 
   Refs: x, [prologue input x `cast.prologue.inputs`: x's tile, or its rows' [block_rows, 1]
-  or its columns' [1, block_cols] values], [rows], [scale], [given, recorded],
+  values (of the whole row, or of the tile's group of columns) or its columns'
+  [1, block_cols]], [rows], [scale], [given, recorded],
   [descale], [partner x `partners`], [amax_in],
   [accumulator], [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t],
   [descale_out], [product x `partners`], amax_out, [reduced], [seed x `seeds`],
@@ -494,10 +496,18 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
 
 def _prologue_input_spec(t, x, block) -> pl.BlockSpec:
   """The block of a prologue input each program reads: x's tile, or that tile's rows'
-  values ([R, 1] inputs) or its columns' ([1, C])."""
+  values ([R, 1] inputs) or its columns' ([1, C]), or its rows' values of its one group
+  of columns ([R, ceil(C / GROUP_COLUMNS)] inputs, where a tile is one group wide)."""
   kind = broadcast_kind(t.shape, x.shape)
   if kind == "rows":
     return pl.BlockSpec((block[0], 1), lambda i, j: (i, 0))
+  if kind == "groups":
+    if block[1] != GROUP_COLUMNS:
+      raise ValueError(
+          f"a prologue input of one value per row and group of {GROUP_COLUMNS} columns "
+          f"{tuple(t.shape)} is read a group per tile: pass block_sizes with block_cols="
+          f"{GROUP_COLUMNS} (got {block[1]}).")
+    return pl.BlockSpec((block[0], 1), lambda i, j: (i, j))
   if kind == "columns":
     return pl.BlockSpec((1, block[1]), lambda i, j: (0, j))
   return pl.BlockSpec(block, lambda i, j: (i, j))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import rotary_gradient
 
-from pallas_kernels.cast_transpose_tiling import CastTransposeBlockSizes
+from pallas_kernels.cast_transpose_tiling import GROUP_COLUMNS, CastTransposeBlockSizes
 from pallas_kernels.vector_element import VectorElement, check_vector_element
 
 FP8_MAX = {
@@ -18,6 +18,8 @@ FP8_MAX = {
     jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),      # 57344
 }
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# A prologue may also read FP8 codes (an activation kept for the backward pass in E4M3).
+PROLOGUE_INPUT_DTYPES = INPUT_DTYPES + (jnp.dtype(jnp.float8_e4m3fn),)
 
 
 def check_x(x) -> None:
@@ -161,7 +163,8 @@ def check_block_sizes(block_sizes) -> None:
 
 def check_prologue(prologue, prologue_inputs, x) -> tuple:
   """The prologue's further tensors as a tuple, each of x's shape [R, C], or one row's
-  values [R, 1] or one column's [1, C] (`broadcast_kind`), in an input dtype."""
+  values [R, 1], one column's [1, C] or one per row and group [R, ceil(C / GROUP_COLUMNS)]
+  (`broadcast_kind`), in an input dtype or E4M3."""
   from_inputs = tuple(prologue_inputs)
   wanted = 0 if prologue is None else prologue.inputs
   if len(from_inputs) != wanted:
@@ -170,11 +173,12 @@ def check_prologue(prologue, prologue_inputs, x) -> tuple:
                      "besides x.")
   for i, t in enumerate(from_inputs):
     if broadcast_kind(jnp.shape(t), jnp.shape(x)) is None or (
-        jnp.result_type(t) not in INPUT_DTYPES):
+        jnp.result_type(t) not in PROLOGUE_INPUT_DTYPES):
       raise ValueError(f"prologue_inputs[{i}] has shape {jnp.shape(t)} and dtype "
                        f"{jnp.result_type(t)}; it must have x's shape {jnp.shape(x)} (or "
-                       f"[R, 1], a value per row, or [1, C], one per column) and a dtype of "
-                       f"{[d.name for d in INPUT_DTYPES]}.")
+                       f"[R, 1], a value per row, [1, C], one per column, or "
+                       f"[R, ceil(C / {GROUP_COLUMNS})], one per row and group of columns) "
+                       f"and a dtype of {[d.name for d in PROLOGUE_INPUT_DTYPES]}.")
   if prologue is not None and prologue.rotary is not None:
     rotary_gradient.check_shapes(jnp.shape(x), [jnp.shape(t) for t in from_inputs],
                                  prologue.rotary)
@@ -187,7 +191,9 @@ def _name(fn) -> str:
 
 def broadcast_kind(shape: tuple, x_shape: tuple) -> str | None:
   """How a prologue input of `shape` covers a 2-D x of `x_shape`: "tile" (x's shape),
-  "rows" ([R, 1], one value per row), "columns" ([1, C]), or None (none of these)."""
+  "rows" ([R, 1], one value per row), "columns" ([1, C]), "groups" ([R, ceil(C /
+  GROUP_COLUMNS)], one value per row and group of `GROUP_COLUMNS` columns, where C spans
+  more than one group), or None (none of these)."""
   shape, x_shape = tuple(shape), tuple(x_shape)
   if shape == x_shape:
     return "tile"
@@ -197,4 +203,6 @@ def broadcast_kind(shape: tuple, x_shape: tuple) -> str | None:
     return "rows"
   if shape == (1, x_shape[1]):
     return "columns"
+  if shape == (x_shape[0], -(-x_shape[1] // GROUP_COLUMNS)):
+    return "groups"
   return None

@@ -15,6 +15,10 @@ from jax.experimental import pallas as pl
 # The smallest tile edge: Triton tensors have power-of-two dimensions, and 16 keeps
 # every layout (16-byte vectors, the transpose through shared memory) regular.
 _MIN_BLOCK = 16
+# The columns of one group of an activation kept in FP8 with one scale per row and group
+# (`fp8jax.ops.saved_activations.GROUP`): a prologue input of one value per row and group
+# is read one value per row of a tile, so the cast's tiles are this wide.
+GROUP_COLUMNS = 128
 # Clears the sign bit of a float32's bit pattern: |x| without a float operation.
 ABS_MASK = 0x7FFFFFFF
 

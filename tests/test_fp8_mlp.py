@@ -9,6 +9,7 @@ forward and backward, and in the state to the last bit of an amax. The test mark
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -37,7 +38,7 @@ from fp8_reference import FORMAT_TABLE, quantize_reference
 from multidevice import multidevice
 from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
                             cast_transpose_amax_in_chain_reference)
-from pallas_kernels.activations import GELU, GELU_BACKWARD, RMS_NORM
+from pallas_kernels.activations import GELU, GELU_BACKWARD, GELU_BACKWARD_FROM_FP8, RMS_NORM
 
 BLOCKS = CastTransposeBlockSizes(block_rows=16, block_cols=32)
 DELAYED = fp8jax.DelayedScaling()
@@ -101,6 +102,54 @@ def test_a_cast_with_a_prologue_is_bitwise_its_definition_and_near_float64(shape
   assert abs(amax - np.max(np.abs(value64))) <= np.max(float32_error) / float(scale) + 2.0**-20
 
 
+@pytest.mark.parametrize("shape", [(100, 300), (40, 128)], ids=["three_groups", "one_group"])
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "jnp"])
+def test_the_gelu_backward_from_the_kept_fp8_copy_casts_the_bits_of_the_restored_copy(
+    shape, interpret):
+  """The GELU's backward reading h as the forward's FP8 copy (codes and one descale per row
+  and group of 128 columns, the last group ragged here) casts what the backward of the
+  bf16 h that copy restores to casts: codes times a power of two are exact in float32 and
+  in bf16, so the two prologues compute the same function of the same numbers. In jnp the
+  bits are the same; in the kernel XLA may contract the product h = codes * descale into
+  the GELU's multiply-adds (a float32 ulp or two of a value, as between the kernel and
+  its jnp definition), so there a value may round to the neighbouring FP8 number."""
+  rng = _rng("from_fp8", shape)
+  h = jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16)
+  g = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  kept = saved_activations.save(h, "gelu")
+  restored = saved_activations.restore(kept, jnp.bfloat16)
+  assert kept.scale_inv.shape == (shape[0], -(-shape[1] // 128))
+  # One group per tile: the descales are read a row of a tile at a time.
+  args = dict(fp8_dtype=jnp.float8_e5m2, fp8_max=57344.0, tile_amaxes=True, seeds=1,
+              block_sizes=CastTransposeBlockSizes(block_rows=16, block_cols=128))
+  cast = (functools.partial(cast_transpose_amax_in_chain, interpret=True) if interpret
+          else cast_transpose_amax_in_chain_reference)
+  scale = jnp.float32(3584.0)
+  got = cast(g, scale, None, prologue=GELU_BACKWARD_FROM_FP8,
+             prologue_inputs=tuple(kept), **args)
+  want = cast(g, scale, None, prologue=GELU_BACKWARD, prologue_inputs=(restored,), **args)
+  if not interpret:
+    assert_bitwise(got, want)
+  # A few float32 ulps (2**-20 relative) of the function's value.
+  np.testing.assert_allclose(np.asarray(got.amax), np.asarray(want.amax), rtol=2.0**-20)
+  q, q_want = np.asarray(got.q, np.float64), np.asarray(want.q, np.float64)
+  # One E5M2 step (2**-2 relative, or the subnormal step 2**-16) where they differ.
+  step = np.maximum(np.maximum(np.abs(q), np.abs(q_want)) * 2.0**-2, 2.0**-16)
+  assert np.all(np.abs(q - q_want) <= step) and np.mean(q != q_want) < 1e-3
+  np.testing.assert_array_equal(np.asarray(got.q_t, np.float64), q.T)
+  assert float(jnp.max(got.amax)) > 0
+
+
+def test_a_prologue_input_per_group_needs_tiles_one_group_wide():
+  h = jnp.ones((32, 256), jnp.bfloat16)
+  kept = saved_activations.save(h, "gelu")
+  with pytest.raises(ValueError, match="block_cols=128"):
+    cast_transpose_amax_in_chain(h, jnp.float32(1), None, fp8_dtype=jnp.float8_e5m2,
+                                 fp8_max=57344.0, prologue=GELU_BACKWARD_FROM_FP8,
+                                 prologue_inputs=tuple(kept), tile_amaxes=True,
+                                 block_sizes=BLOCKS, interpret=True)
+
+
 def _problem(dtype, seed=0):
   rng = _rng("mlp", seed)
   x = jnp.asarray(rng.standard_normal((2, 48, 96)), dtype)
@@ -154,6 +203,23 @@ def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request, recipe):
   want = _steps(fp8_mlp, recipe, jnp.bfloat16)
   request.getfixturevalue("interpreted_kernels")
   got = _steps(fp8_mlp, recipe, jnp.bfloat16)
+  for (loss, grads, state), (want_loss, want_grads, want_state) in zip(got, want):
+    assert_bitwise((loss, grads), (want_loss, want_grads))
+    _assert_state_close(state, want_state)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_mlp_with_its_gelu_input_kept_in_fp8_gives_the_jnp_paths_numbers_on_the_kernels(
+    request, recipe, reduced_prologues):
+  """`save_fp8`: the GELU's backward cast reads the kept codes and descales (two groups
+  of columns, the second ragged) on the Pallas kernels (interpreted) as the jnp path does."""
+  mlp = functools.partial(fp8_mlp, save_fp8=True)
+  want = _steps(mlp, recipe, jnp.bfloat16)
+  request.getfixturevalue("interpreted_kernels")
+  got = _steps(mlp, recipe, jnp.bfloat16)
+  if recipe.scales_from_tensor:
+    assert GELU_BACKWARD_FROM_FP8 in reduced_prologues, reduced_prologues
   for (loss, grads, state), (want_loss, want_grads, want_state) in zip(got, want):
     assert_bitwise((loss, grads), (want_loss, want_grads))
     _assert_state_close(state, want_state)
@@ -249,8 +315,46 @@ def test_current_scaling_s_fused_casts_on_a_data_mesh_give_the_one_device_step(
   rows = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",)), P("data"))
   got = step(params, state, jax.device_put(x, rows))
   assert reduced_prologues, "the fused casts did not run"
+  _assert_mesh_step_close(got, want)
+
+
+@multidevice
+def test_the_gelu_backward_from_fp8_on_a_data_and_model_mesh_gives_the_one_device_step(
+    interpreted_kernels):
+  """`save_fp8` with the hidden features split over a model axis (2 x 128 columns) and
+  the rows over a data axis (4): each device's GELU-backward cast reads its own codes and
+  its own groups' descales, split as the codes' columns in whole groups. The step is the
+  one-device step's within float32 summation order (the split contractions' partial sums
+  add in another order); a descale read from another device's group would be off by a
+  power of two."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  rng = _rng("model_mesh")
+  x = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((96, 256)) / math.sqrt(96), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((256, 80)) / math.sqrt(256), jnp.float32)
+  target = jnp.asarray(rng.standard_normal((64, 80)), jnp.float32)
+  state = {"in": warm_dot_meta(DELAYED, (60.0, 200.0, 3000.0)),
+           "out": warm_dot_meta(DELAYED, (100.0, 300.0, 2000.0))}
+
+  def loss(params, state, x):
+    y, meta_in, meta_out = fp8_mlp(x, params["in"], params["out"], state["in"], state["out"],
+                                   save_fp8=True)
+    return jnp.sum(y.astype(jnp.float32) * target), {"in": meta_in, "out": meta_out}
+
+  step = jax.jit(fp8jax.value_and_grad(loss))
+  want = step({"in": w_in, "out": w_out}, state, x)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  got = step({"in": put(w_in, None, "model"), "out": put(w_out, "model", None)}, state,
+             put(x, "data"))
+  _assert_mesh_step_close(got, want)
+
+
+def _assert_mesh_step_close(got, want):
+  """A sharded step's (loss, grads, state) against the one-device step's: each amax within
+  a few float32 ulps (2**-20), and its scale with it; the loss and gradients within float32
+  summation order (rows and split contractions summed across devices)."""
   (got_loss, got_grads, got_state), (want_loss, want_grads, want_state) = got, want
-  # Each amax within a few float32 ulps (2**-20), and its scale with it.
   for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2.0**-20)
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
@@ -355,14 +459,11 @@ def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: i
 
 @pytest.mark.hopper
 @pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
-def test_h100_mlp_step_with_fp8_saved_activations_keeps_the_gelu_input_only_in_fp8(
-    monkeypatch):
+def test_h100_mlp_step_with_fp8_saved_activations_keeps_the_gelu_input_only_in_fp8():
   """`save_fp8`: the backward reads the GELU's input h [tokens, F] as its FP8 copy made in
-  the forward, and no bf16 h. With `save_fp8=False` it reads the bf16 h, and so it does
-  with `save_fp8` when nothing ties the copy to the forward (XLA moves the quantization
-  into the backward beside its reader and keeps h in bf16 for it): the check sees both.
-  Under the saved-activations remat policy the step keeps the copy too and recomputes
-  no GEMM (six FP8 GEMMs, as without remat)."""
+  the forward, and no bf16 h. With `save_fp8=False` it reads the bf16 h: the check sees
+  both. Under the saved-activations remat policy the step keeps the copy too and
+  recomputes no GEMM (six FP8 GEMMs, as without remat)."""
   tokens, d, f = 4096, 256, 1024
   hidden, codes = f"bf16[{tokens},{f}]", f"f8e4m3fn[{tokens},{f}]"
   kept, gemms = _forward_values_the_backward_reads(True, tokens, d, f)
@@ -371,5 +472,3 @@ def test_h100_mlp_step_with_fp8_saved_activations_keeps_the_gelu_input_only_in_f
   assert hidden not in kept_remat and codes in kept_remat and gemms_remat == 6, (
       kept_remat, gemms_remat)
   assert hidden in _forward_values_the_backward_reads(False, tokens, d, f)[0]
-  monkeypatch.setattr(jax.lax, "optimization_barrier", lambda operand: operand)
-  assert hidden in _forward_values_the_backward_reads(True, tokens, d, f)[0]

@@ -17,7 +17,8 @@ on its own shard:
 
 * the kernel reads one 2-D tensor `t` (any sharding of its two axes), perhaps
   more tensors sharded alike (or a value per row [R, 1], split as `t`'s rows, or
-  per column [1, C], as its columns), and small replicated operands (FP8 scales,
+  per column [1, C], as its columns, or per row and group of 128 columns, split as `t`
+  with its columns in whole groups), and small replicated operands (FP8 scales,
   running amaxes, descales, an earlier kernel's tile maxima);
 * each device runs the kernel on its own shard of `t`: its tensor outputs are
   `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
@@ -52,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fp8jax.core.quantize import max_by_bits
 from pallas_kernels.cast_transpose_checks import broadcast_kind
+from pallas_kernels.cast_transpose_tiling import GROUP_COLUMNS
 
 OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
 
@@ -88,7 +90,10 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
     def partitioned(*operands):
       return tuple(kernel(*operands))
 
-    column_unit = 1 if heads is None else heads[1]
+    # Columns split only in whole heads (the rotary gradient) or whole groups (a
+    # prologue input of one value per row and group of columns).
+    column_unit = (heads[1] if heads is not None else
+                   GROUP_COLUMNS if "groups" in broadcasts else 1)
 
     def partition(mesh, arg_shapes, result_shape):
       t_spec = _divisible_spec(mesh, arg_shapes[0], column_unit)
@@ -169,17 +174,20 @@ def vmapped_as(kernel: Callable, batched: Callable) -> Callable:
 
 
 def _broadcast_kind(shape: tuple, t_shape: tuple) -> str:
-  """"tile" for a further tensor of t's shape, "rows" for [R, 1], "columns" for [1, C]."""
+  """"tile" for a further tensor of t's shape, "rows" for [R, 1], "columns" for [1, C],
+  "groups" for one value per row and group of columns [R, ceil(C / GROUP_COLUMNS)]."""
   kind = broadcast_kind(shape, t_shape)
   if kind is None:
     raise ValueError(f"a further tensor of shape {tuple(shape)} neither has t's shape "
-                     f"{tuple(t_shape)} nor is one value per row [R, 1] or column [1, C].")
+                     f"{tuple(t_shape)} nor is one value per row [R, 1], column [1, C] or "
+                     f"row and group of {GROUP_COLUMNS} columns.")
   return kind
 
 
 def _broadcast_spec(t_spec: PartitionSpec, kind: str) -> PartitionSpec:
-  """A further tensor's spec: t's, or its rows' or columns' entry alone."""
-  return {"tile": t_spec, "rows": PartitionSpec(t_spec[0], None),
+  """A further tensor's spec: t's (its groups split as t's columns, in whole groups), or
+  its rows' or columns' entry alone."""
+  return {"tile": t_spec, "groups": t_spec, "rows": PartitionSpec(t_spec[0], None),
           "columns": PartitionSpec(None, t_spec[1])}[kind]
 
 
@@ -191,7 +199,7 @@ def _sharding_rule(ranks: tuple, outputs, broadcasts: tuple = (), columns: str =
   `columns`, `out_columns`: the factors of t's and of the tensor outputs' columns (`c`)."""
   c, out = columns, out_columns or columns
   layout = {"same": f"r {out}", "transposed": f"{out} r", "amax": "", "scalar": ""}
-  further = {"tile": f"r {c}", "rows": "r o{i}", "columns": "o{i} " + c}
+  further = {"tile": f"r {c}", "rows": "r o{i}", "columns": "o{i} " + c, "groups": "r o{i}"}
   operands = ", ".join([f"r {c}"] + [further[kind].format(i=i)
                                      for i, kind in enumerate(broadcasts)]
                        + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
@@ -230,8 +238,7 @@ def _divisible_spec(mesh, shape, column_unit: int = 1) -> PartitionSpec:
     ways = 1
     for name in axis_names(entry):
       ways *= mesh.shape[name]
-    units = shape.shape[axis] // (column_unit if axis == 1 else 1)
-    if ways > 1 and units % ways:
+    if ways > 1 and shape.shape[axis] % ((column_unit if axis == 1 else 1) * ways):
       entries[axis] = None
   return PartitionSpec(*entries[:2])
 

@@ -358,7 +358,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     valid_rows = jnp.asarray(valid_rows, jnp.int32)
   args = (x, scale, running_amax, descale, partner_descales, accumulator, reduce,
           tuple(pass_through), others, valid_rows, gathered_for)
-  takes = _takes(x) and all(_takes(t) for t in others)
+  takes = _takes(x) and all(_takes(t, prologue_input=True) for t in others)
   cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
 
@@ -370,7 +370,8 @@ def _checked_prologue_inputs(x, prologue: Prologue | None, prologue_inputs) -> t
     raise ValueError(f"prologue_inputs: got {len(others)} of shapes "
                      f"{[jnp.shape(t) for t in others]}; the prologue takes "
                      f"{prologue.inputs if prologue is not None else 0}, each of x's shape "
-                     f"{jnp.shape(x)}, or [R, 1] (a value per row) or [1, C] (per column).")
+                     f"{jnp.shape(x)}, or [R, 1] (a value per row), [1, C] (per column) or "
+                     "[R, ceil(C / 128)] (per row and group of 128 columns).")
   return others
 
 
@@ -564,7 +565,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
 
   args = (x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
           tuple(pass_through), others, gathered_for)
-  takes = _takes(x) and all(_takes(t) for t in others)
+  takes = _takes(x) and all(_takes(t, prologue_input=True) for t in others)
   cast = reference(*args) if not takes else choose(args, kernel, reference)
   return cast._replace(passed=tuple(map(_copy_of, pass_through, cast.passed)))
 
@@ -617,6 +618,8 @@ _per_shard_amax = shard_local(lambda x, start: (pallas_kernels.running_amax(x, s
                               ("amax",))
 
 
-def _takes(x) -> bool:
-  """Whether the cast kernels accept `x` (2-D, non-empty, bf16/f16/f32)."""
-  return x.ndim == 2 and x.size > 0 and jnp.dtype(x.dtype) in _KERNEL_INPUT_DTYPES
+def _takes(x, prologue_input: bool = False) -> bool:
+  """Whether the cast kernels accept `x` (2-D, non-empty, bf16/f16/f32; a prologue's
+  further tensor may also be E4M3 codes)."""
+  dtypes = _KERNEL_INPUT_DTYPES + ((jnp.dtype(jnp.float8_e4m3fn),) if prologue_input else ())
+  return x.ndim == 2 and x.size > 0 and jnp.dtype(x.dtype) in dtypes

@@ -37,9 +37,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.core.formats import E4M3
+from pallas_kernels.cast_transpose_tiling import GROUP_COLUMNS
 from fp8jax.core.quantize import max_by_bits, saturate_cast, scale_from_amax
 
-GROUP = 128
+# 128: the fused casts that read or write a saved copy take one group per tile.
+GROUP = GROUP_COLUMNS
 PREFIX = "fp8jax_saved/"
 # The ops whose saved activations are named, and the FP8 GEMM inputs `fp8_dot_general`
 # keeps ("dense_x": the FP8 copy of each projection's input its wgrad GEMM reads).
