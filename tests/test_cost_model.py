@@ -184,6 +184,22 @@ def test_a_multi_output_fusion_writes_only_the_update_of_its_in_place_output():
   assert k.bytes_out == 2 * SLICE_BYTES  # the update in place, and the second output
 
 
+def test_a_kernel_writes_every_element_of_a_long_tuple_its_numbered_ones_too():
+  # XLA numbers every fifth element of a long tuple (/*index=5*/): a custom call's sixth
+  # output (a Pallas cast's FP8 copy of its input, say) is written like the others.
+  shapes = ", ".join(["f32[1]{0}"] * 5) + ", /*index=5*/f8e4m3fn[1024,128]{1,0}"
+  hlo = textwrap.dedent(f"""\
+      HloModule m
+
+      ENTRY %main (x: bf16[1024,128]) -> ({shapes}) {{
+        %x = bf16[1024,128]{{1,0}} parameter(0)
+        ROOT %pallas_call.1 = ({shapes}) custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
+      }}
+      """)
+  (k,) = cost_hlo(hlo, CONSTANTS).kernels
+  assert k.bytes_in == 1024 * 128 * 2 and k.bytes_out == 5 * 4 + 1024 * 128
+
+
 def test_a_fusion_whose_result_is_an_elementwise_op_of_a_parameter_reads_all_of_it():
   # A weight's bf16 copy (XLA's `wrapped_convert`): every element of the result is
   # computed, so every element of the f32 parameter is read.

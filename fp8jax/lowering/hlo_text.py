@@ -157,7 +157,8 @@ def parse_hlo_module(text: str) -> HloModule:
 
 def parse_shape(text: str) -> tuple[tuple[ArrayShape, ...], bool]:
   """Parses 'f32[2,3]{1,0}' or a tuple '(f32[2]{0}, s8[4]{0})' into array shapes."""
-  text = text.strip()
+  # A long tuple numbers its elements: '(f32[1]{0}, ..., /*index=5*/f8e4m3fn[8,128]{1,0})'.
+  text = re.sub(r"/\*.*?\*/", "", text).strip()
   if text.startswith("("):
     parts = _split_top_level(text[1:-1])
     shapes = []
