@@ -96,8 +96,11 @@ class CastSpec:
   """The FP8 target of the cast, whether the transposed copy is written, whether
   the scale is made from a given amax (`from_amax`) instead of read, the
   elementwise function of x (and of the tensors it also reads) that is cast
-  (`prologue`, `pallas_kernels.activations`; None casts x), and whether an int32
-  operand limits the rows in use (`row_limit`: rows at and past it read as 0)."""
+  (`prologue`, `pallas_kernels.activations`; None casts x), whether an int32
+  operand limits the rows in use (`row_limit`: rows at and past it read as 0), and
+  whether the kernel also writes x itself (before the prologue) as E4M3 codes with one
+  power-of-two descale per row and group of `GROUP_COLUMNS` columns (`keeps_groups`:
+  the copy a backward pass keeps, `keep_groups_reference`)."""
 
   dtype: jnp.dtype
   max: float
@@ -105,6 +108,7 @@ class CastSpec:
   from_amax: ScaleFromAmax | None = None
   prologue: Prologue | None = None
   row_limit: bool = False
+  keeps_groups: bool = False
 
 
 def saturate(y, fp8_max: float):
@@ -154,7 +158,7 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
   [descale], [partner x `partners`], [amax_in],
   [accumulator], [tiles_in, tiles_running], [passed in x `passed`], then [q], [q_t],
   [descale_out], [product x `partners`], amax_out, [reduced], [seed x `seeds`],
-  [passed out x `passed`]. amax_out is amax_in's buffer ("in_place"), the
+  [passed out x `passed`], [kept codes, kept descales (`cast.keeps_groups`)]. amax_out is amax_in's buffer ("in_place"), the
   accumulator's ("accumulator"), one slot per program ("tiles") or its own
   ("given"). With `cast.from_amax` the scale ref holds the fallback scale, the
   kernel makes the descale (descale_out) instead of reading it. With `cast.row_limit`
@@ -184,7 +188,8 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
   amax_ref = refs.pop(0)
   reduced_ref = refs.pop(0) if amax.reduce else None
   seed_refs = [refs.pop(0) for _ in range(amax.seeds)]
-  passed_out_refs = refs
+  kept_refs = refs[-2:] if cast is not None and cast.keeps_groups else ()
+  passed_out_refs = refs[:len(refs) - len(kept_refs)]
   first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
   scale = None  # no cast (an amax launch)
   if from_amax is not None:
@@ -247,6 +252,8 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
                      cast, scale, from_amax, q_ref, q_t_ref)
     return
   x = load(x_ref)
+  if kept_refs:
+    _store_groups(x, tiling, mask, *kept_refs, interpret)
   if prologue is not None:
     # The tensor cast is the prologue's result, in float32 (never written in bf16);
     # it maps zeros to 0, so a masked edge keeps the amax's identity.
@@ -286,6 +293,46 @@ def _amax_cast_store(parts, mask, amax: AmaxSpec, amax_ref, cast, scale, from_am
     if cast.transpose:
       store_masked(q_t_ref if columns is None else q_t_ref.at[columns, :], q.T,
                    None if mask is None else mask.T)
+
+
+# A kept group's scale: the largest power of two that keeps its amax within E4M3's 448.
+_KEPT_SCALE = ScaleFromAmax(numerator=float(jnp.finfo(jnp.float8_e4m3fn).max),
+                            power_of_two=True)
+
+
+def _store_groups(x, tiling: Tiling, mask, codes_ref, descale_ref, interpret: bool):
+  """Stores the tile x [rows, GROUP_COLUMNS] (float32, out-of-range elements 0) as E4M3
+  codes with one power-of-two scale per row, 448 / the row's amax rounded down (1 where
+  the amax is 0, inf or NaN), and each row's descale 1 / scale (exact)."""
+  row_amax = lax.bitcast_convert_type(
+      jnp.max(lax.bitcast_convert_type(x, jnp.int32) & ABS_MASK, axis=1, keepdims=True),
+      jnp.float32)
+  scale = _scale_from_amax(row_amax, jnp.float32(1), _KEPT_SCALE, interpret)
+  codes = saturate(x * scale, _KEPT_SCALE.numerator).astype(jnp.float8_e4m3fn)
+  store_masked(codes_ref, codes, mask)
+  store_masked(descale_ref, _divide(jnp.float32(1), scale, interpret),
+               tile_mask(tiling, (tiling.block_rows, 1)))
+
+
+def keep_groups_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """What a cast with `keeps_groups` writes besides its cast, in plain jnp: x [R, C] as
+  E4M3 codes [R, C] and one descale per row and group of `GROUP_COLUMNS` columns
+  [R, ceil(C / GROUP_COLUMNS)] (a ragged last group padded with zeros), each group's
+  scale 448 / its amax rounded down to a power of two, 1 where that is not finite and
+  positive.
+
+  Returns:
+    (codes float8_e4m3fn [R, C], descales float32 [R, ceil(C / GROUP_COLUMNS)]).
+  """
+  rows, columns = x.shape
+  groups = -(-columns // GROUP_COLUMNS)
+  padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * GROUP_COLUMNS - columns)))
+  padded = padded.reshape(rows, groups, GROUP_COLUMNS)
+  amax = lax.bitcast_convert_type(
+      jnp.max(lax.bitcast_convert_type(padded, jnp.int32) & ABS_MASK, axis=-1), jnp.float32)
+  scale = _scale_from_amax(amax, jnp.float32(1), _KEPT_SCALE, interpret=True)
+  codes = saturate(padded * scale[..., None], _KEPT_SCALE.numerator).astype(jnp.float8_e4m3fn)
+  return codes.reshape(rows, -1)[:, :columns], 1.0 / scale
 
 
 def _scale_from_amax(given, fallback, from_amax: ScaleFromAmax, interpret: bool):
@@ -361,13 +408,13 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
           amax: AmaxSpec, block_sizes: CastTransposeBlockSizes, interpret: bool):
   """Runs the kernel over all tiles of x.
 
-  Returns (q, q_t, amax_out, products, reduced, seeds, passed, descale): q None
+  Returns (q, q_t, amax_out, products, reduced, seeds, passed, descale, kept): q None
   without a cast, products None without partners, amax_out float32[] or
   (`amax.accumulate == "tiles"`) float32[tile_count], reduced None unless
   `amax.reduce`, seeds and passed (copies of `passed`, float32 vectors) tuples,
   descale the float32[] 1 / scale made from `given` = (amax, recorded amax)
-  (`cast.from_amax`), else None. `valid_rows`: int32[], the rows in use
-  (`cast.row_limit`).
+  (`cast.from_amax`), else None, kept the (codes, descales) of x (`cast.keeps_groups`),
+  else None. `valid_rows`: int32[], the rows in use (`cast.row_limit`).
   """
   from_amax = cast.from_amax if cast is not None else None
   rotary = cast.prologue.rotary if cast is not None and cast.prologue is not None else None
@@ -469,6 +516,16 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   out_specs += [whole_vector(length) for length in amax.passed]
   out_shape += [out_struct((length,), jnp.float32, varying_axes(vector))
                 for length, vector in zip(amax.passed, passed)]
+  keeps = cast is not None and cast.keeps_groups
+  if keeps:
+    if rotary is not None or block[1] != GROUP_COLUMNS:
+      raise ValueError(f"keep_groups writes x with one descale per row and group of "
+                       f"{GROUP_COLUMNS} columns, a group per tile: pass block_sizes with "
+                       f"block_cols={GROUP_COLUMNS} (got {block[1]}), and no rotary prologue.")
+    kept_axes = varying_axes(x)
+    out_specs += [tile_spec, pl.BlockSpec((block[0], 1), lambda i, j: (i, j))]
+    out_shape += [out_struct((rows, cols), jnp.float8_e4m3fn, kept_axes),
+                  out_struct((rows, tiling.grid[1]), jnp.float32, kept_axes)]
   outs = pl.pallas_call(
       functools.partial(_kernel, tiling=tiling, cast=cast, partners=n_partners, amax=amax,
                         interpret=interpret),
@@ -487,11 +544,12 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
   reduced = outs[amax_at + 1].reshape(()) if amax.reduce else None
   seeds_at = amax_at + 1 + amax.reduce
   seeds = tuple(s.reshape(()) for s in outs[seeds_at:seeds_at + amax.seeds])
-  copies = tuple(outs[seeds_at + amax.seeds:])
+  copies = tuple(outs[seeds_at + amax.seeds:len(outs) - 2 * keeps])
   q = outs[0] if cast is not None else None
   q_t = outs[1] if cast is not None and cast.transpose else None
   descale_out = outs[amax_at - n_partners - 1] if from_amax is not None else None
-  return q, q_t, amax_out, products, reduced, seeds, copies, descale_out
+  kept = tuple(outs[-2:]) if keeps else None
+  return q, q_t, amax_out, products, reduced, seeds, copies, descale_out, kept
 
 
 def _prologue_input_spec(t, x, block) -> pl.BlockSpec:

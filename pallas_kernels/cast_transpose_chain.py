@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose import (AmaxSpec, CastSpec, bits_max,
-                                           cast_transpose_amax_reference, launch, rows_in_use)
+                                           cast_transpose_amax_reference,
+                                           keep_groups_reference, launch, rows_in_use)
 from pallas_kernels.cast_transpose_checks import (check_accumulation, check_block_sizes,
                                                   check_flag, check_fp8, check_pass_through,
                                                   check_products, check_prologue,
@@ -38,6 +39,8 @@ class ChainedCast(NamedTuple):
     reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
     seeds: `seeds` float32[] zeros, each an accumulator for a later launch.
     passed: copies of the `pass_through` arrays, in their shapes.
+    kept: with `keep_groups`, x (before the prologue) as E4M3 codes [R, C] and one
+      descale per row and group of 128 columns (`keep_groups_reference`); else None.
   """
 
   q: jax.Array
@@ -47,6 +50,7 @@ class ChainedCast(NamedTuple):
   reduced: jax.Array | None
   seeds: tuple
   passed: tuple = ()
+  kept: tuple | None = None
 
 
 def cast_transpose_amax_in_chain(
@@ -55,7 +59,7 @@ def cast_transpose_amax_in_chain(
     partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
     tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
     pass_through: tuple = (), prologue: Prologue | None = None, prologue_inputs: tuple = (),
-    valid_rows: jax.Array | None = None,
+    valid_rows: jax.Array | None = None, keep_groups: bool = False,
     block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
     interpret: bool = False,
 ) -> ChainedCast:
@@ -98,6 +102,8 @@ def cast_transpose_amax_in_chain(
     prologue_inputs: the further tensors the prologue reads, each of x's shape, [R, 1] or
       [1, C].
     valid_rows: as for `cast_transpose_amax` (rows past it read as 0, after the prologue).
+    keep_groups: also write x itself, before the prologue, as the FP8 copy a backward
+      pass keeps (`ChainedCast.kept`): one pass over x makes both (block_cols 128).
 
   Returns:
     A `ChainedCast`.
@@ -116,8 +122,10 @@ def cast_transpose_amax_in_chain(
     raise ValueError(f"seeds={seeds!r} must be an int from 0 to 4.")
   valid_rows = row_limit(valid_rows)
   _check_rotary(prologue, tile_amaxes, valid_rows)
+  check_flag(keep_groups, "keep_groups")
   cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
-                  prologue=prologue, row_limit=valid_rows is not None)
+                  prologue=prologue, row_limit=valid_rows is not None,
+                  keeps_groups=keep_groups)
   descale, partner_descales = check_products(descale, partner_descales)
   passed = check_pass_through(pass_through)
   amax = AmaxSpec(accumulate=accumulate, reduce=tiles is not None, seeds=seeds,
@@ -126,7 +134,7 @@ def cast_transpose_amax_in_chain(
                tuple(jnp.ravel(a) for a in passed), None, prologue_inputs, valid_rows,
                cast=cast, amax=amax, block_sizes=block_sizes, interpret=interpret)
   copies = tuple(c.reshape(jnp.shape(a)) for c, a in zip(out[6], passed))
-  return ChainedCast(*out[:6], copies)
+  return ChainedCast(*out[:6], copies, out[8])
 
 
 def cast_transpose_amax_in_chain_reference(
@@ -135,13 +143,15 @@ def cast_transpose_amax_in_chain_reference(
     partner_descales: jax.Array | None = None, accumulator: jax.Array | None = None,
     tile_amaxes: bool = False, reduce: tuple | None = None, seeds: int = 0,
     pass_through: tuple = (), prologue: Prologue | None = None, prologue_inputs: tuple = (),
-    valid_rows: jax.Array | None = None,
+    valid_rows: jax.Array | None = None, keep_groups: bool = False,
     block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(),
 ) -> ChainedCast:
   """`cast_transpose_amax_in_chain` in plain jnp, tile maxima included (the same tiles)."""
   check_x(x)
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   _check_rotary(prologue, tile_amaxes, valid_rows)
+  check_flag(keep_groups, "keep_groups")
+  kept = keep_groups_reference(x) if keep_groups else None
   if prologue is not None:
     x = prologue.applied_to(x, prologue_inputs)
   x = rows_in_use(x, row_limit(valid_rows))
@@ -159,7 +169,7 @@ def cast_transpose_amax_in_chain_reference(
     amax_out = tile_maxima(x, block_sizes)
   reduced = bits_max(tiles[1], tiles[0]) if tiles is not None else None
   return ChainedCast(q, q_t, amax_out, products[0] if products else None, reduced,
-                     (jnp.float32(0),) * seeds, check_pass_through(pass_through))
+                     (jnp.float32(0),) * seeds, check_pass_through(pass_through), kept)
 
 
 def _check_rotary(prologue, tile_amaxes, valid_rows) -> None:

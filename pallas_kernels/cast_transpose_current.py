@@ -19,7 +19,8 @@ from jax import lax
 
 from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose import (EXPONENT_BITS, AmaxSpec, CastSpec, ScaleFromAmax,
-                                           bits_max, cast_transpose_amax_reference, launch)
+                                           bits_max, cast_transpose_amax_reference,
+                                           keep_groups_reference, launch)
 from pallas_kernels.cast_transpose_checks import (check_block_sizes, check_flag, check_fp8,
                                                   check_margin, check_pass_through,
                                                   check_products, check_prologue, check_x,
@@ -37,6 +38,8 @@ class CastFromAmax(NamedTuple):
     descale: float32[] 1 / scale, the scale the kernel made and cast with.
     products: the GEMMs' combined descales (None without `partner_descales`).
     passed: copies of the `pass_through` arrays, in their shapes.
+    kept: with `keep_groups`, x's FP8 copy for a backward pass (as
+      `cast_transpose_amax_in_chain`'s); else None.
   """
 
   q: jax.Array
@@ -45,6 +48,7 @@ class CastFromAmax(NamedTuple):
   descale: jax.Array
   products: tuple | None
   passed: tuple = ()
+  kept: tuple | None = None
 
 
 def cast_transpose_from_amax(
@@ -52,7 +56,7 @@ def cast_transpose_from_amax(
     fp8_dtype, fp8_max: float, margin: int = 0, power_of_two: bool = False,
     recorded_amax: jax.Array | None = None, transpose: bool = True,
     partner_descales: tuple | None = None, pass_through: tuple = (),
-    prologue: Prologue | None = None, prologue_inputs: tuple = (),
+    prologue: Prologue | None = None, prologue_inputs: tuple = (), keep_groups: bool = False,
     block_sizes: CastTransposeBlockSizes = CastTransposeBlockSizes(), interpret: bool = False,
 ) -> CastFromAmax:
   """Current scaling's cast in one launch: the kernel makes the scale from x's amax.
@@ -88,6 +92,8 @@ def cast_transpose_from_amax(
     prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` (float32, made in
       the kernel's registers) instead of x, as `cast_transpose_amax_in_chain`; `amax` is
       then max|prologue.fn(...)|.
+    keep_groups: also write x, before the prologue, as the FP8 copy a backward pass keeps
+      (`CastFromAmax.kept`, as `cast_transpose_amax_in_chain`).
 
   Returns:
     A `CastFromAmax`.
@@ -101,7 +107,7 @@ def cast_transpose_from_amax(
   recorded_amax = amax if recorded_amax is None else scalar_f32(recorded_amax, "recorded_amax")
   check_margin(margin)
   for flag, name in ((power_of_two, "power_of_two"), (transpose, "transpose"),
-                     (interpret, "interpret")):
+                     (interpret, "interpret"), (keep_groups, "keep_groups")):
     check_flag(flag, name)
   check_block_sizes(block_sizes)
   partners = None
@@ -110,15 +116,16 @@ def cast_transpose_from_amax(
   passed = check_pass_through(pass_through)
   cast = CastSpec(dtype=fp8_dtype, max=float(fp8_max), transpose=transpose,
                   from_amax=ScaleFromAmax(numerator=float(fp8_max) / 2.0**margin,
-                                          power_of_two=power_of_two), prologue=prologue)
+                                          power_of_two=power_of_two), prologue=prologue,
+                  keeps_groups=keep_groups)
   modes = AmaxSpec(accumulate="given", passed=tuple(int(jnp.size(a)) for a in passed))
-  q, q_t, amax_out, products, _, _, copies, descale = launch(
+  q, q_t, amax_out, products, _, _, copies, descale, kept = launch(
       x, fallback_scale, amax_in, None, partners, None, None,
       tuple(jnp.ravel(a) for a in passed), (amax, recorded_amax), prologue_inputs, cast=cast,
       amax=modes,
       block_sizes=block_sizes, interpret=interpret)
   copies = tuple(c.reshape(jnp.shape(a)) for c, a in zip(copies, passed))
-  return CastFromAmax(q, q_t, amax_out, descale.reshape(()), products, copies)
+  return CastFromAmax(q, q_t, amax_out, descale.reshape(()), products, copies, kept)
 
 
 def cast_transpose_from_amax_reference(
@@ -126,11 +133,13 @@ def cast_transpose_from_amax_reference(
     fp8_dtype, fp8_max: float, margin: int = 0, power_of_two: bool = False,
     recorded_amax: jax.Array | None = None, transpose: bool = True,
     partner_descales: tuple | None = None, pass_through: tuple = (),
-    prologue: Prologue | None = None, prologue_inputs: tuple = (),
+    prologue: Prologue | None = None, prologue_inputs: tuple = (), keep_groups: bool = False,
 ) -> CastFromAmax:
   """`cast_transpose_from_amax` in plain jnp: the definition the kernel matches bit for bit."""
   check_x(x)
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
+  check_flag(keep_groups, "keep_groups")
+  kept = keep_groups_reference(x) if keep_groups else None
   if prologue is not None:
     x = prologue.applied_to(x, prologue_inputs)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)
@@ -157,4 +166,4 @@ def cast_transpose_from_amax_reference(
   amax_in = element_value(scalar_f32(amax_in, "amax_in", element_ok=True))
   return CastFromAmax(q, q_t, bits_max(amax_in, recorded_amax),
                       descale, products[0] if products else None,
-                      check_pass_through(pass_through))
+                      check_pass_through(pass_through), kept)

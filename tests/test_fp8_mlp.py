@@ -398,17 +398,20 @@ _MISSING = deviceless.deviceless_toolchain_missing()
 
 @pytest.mark.hopper
 @pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
-def test_h100_mlp_step_writes_no_activation_or_its_gradient_in_bf16():
+@pytest.mark.parametrize("save_fp8", [False, True], ids=["bf16_h", "fp8_h"])
+def test_h100_mlp_step_writes_no_activation_or_its_gradient_in_bf16(save_fp8):
   """On an H100 the GELU and its backward run inside the casts: besides the six GEMMs,
   the step launches the six casts (x, both weights, the activation; both output
-  gradients) and the state update, and no other kernel moves a [tokens, F] tensor."""
+  gradients) and the state update, and no other kernel moves a [tokens, F] tensor. With
+  the GELU's input kept in FP8 (`save_fp8`) no other kernel makes or restores that copy
+  either: the activation's cast writes it, the gradient's cast reads it."""
   tokens, d, f = 8192, 512, 2048
   params = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),  # x too: its gradient runs
             jax.ShapeDtypeStruct((d, f), jnp.float32), jax.ShapeDtypeStruct((f, d), jnp.float32))
   meta = jax.eval_shape(lambda: fp8jax.init_dot_meta(DELAYED))
 
   def loss(params, state):
-    y, meta_in, meta_out = fp8_mlp(*params, state["in"], state["out"])
+    y, meta_in, meta_out = fp8_mlp(*params, state["in"], state["out"], save_fp8=save_fp8)
     return jnp.mean(y.astype(jnp.float32) ** 2), {"in": meta_in, "out": meta_out}
 
   report = cost(fp8jax.value_and_grad(loss), params, {"in": meta, "out": meta},
@@ -419,8 +422,15 @@ def test_h100_mlp_step_writes_no_activation_or_its_gradient_in_bf16():
   movers = [k for k in report.kernels if not k.is_gemm and k not in casts
             and k.bytes_in + k.bytes_out >= hidden]
   assert not movers, report.table()
-  # The activation's cast reads h once; the gradient's reads da and h.
-  assert sorted(k.bytes_in // hidden for k in casts if k.bytes_in >= hidden) == [1, 2]
+  # The activation's cast reads h once; the gradient's reads da and h (h's FP8 copy with
+  # save_fp8: half of h's bytes, which the activation's cast writes besides its own).
+  reads = sorted(k.bytes_in / hidden for k in casts if k.bytes_in >= hidden)
+  writes = max(k.bytes_out / hidden for k in casts)
+  if save_fp8:
+    assert reads[0] == pytest.approx(1, rel=1e-3) and reads[1] == pytest.approx(1.5, rel=0.02)
+    assert writes == pytest.approx(1.5, rel=0.02), writes
+  else:
+    assert reads == pytest.approx([1, 2], rel=1e-3) and writes == pytest.approx(1, rel=1e-3)
 
 
 def _forward_values_the_backward_reads(save_fp8: bool, tokens: int, d: int, f: int,

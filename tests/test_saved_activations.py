@@ -8,6 +8,8 @@ of two, exact in float32.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,51 @@ def test_names_match_the_policy():
   keep = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.sin(x), q_name)), policy=policy)
   drop = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.sin(x), "other")), policy=policy)
   assert len(_saved_residuals(keep, x)) > len(_saved_residuals(drop, x))
+
+
+@pytest.mark.parametrize("current", [False, True], ids=["chain", "from_amax"])
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "jnp"])
+def test_a_cast_that_keeps_its_input_writes_the_bits_of_save(current, interpret):
+  """`keep_groups`: the cast of gelu(h) also writes h itself as `save` keeps it, bit for bit
+  (the kernel in the Pallas interpreter and its jnp definition): one group per tile, a
+  ragged last group, a row of zeros (scale 1, zero codes), a group of tiny values (a large
+  power-of-two scale) and magnitudes over 12 decades."""
+  from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
+                              cast_transpose_amax_in_chain_reference, cast_transpose_from_amax,
+                              cast_transpose_from_amax_reference)
+  from pallas_kernels.activations import GELU
+  h = _log_uniform((80, 300), seed=7)
+  h[3] = 0.0
+  h[5, 128:256] *= 1e-30
+  h = jnp.asarray(h, jnp.bfloat16)
+  args = dict(fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0, prologue=GELU, keep_groups=True)
+  blocks = dict(block_sizes=CastTransposeBlockSizes(block_rows=16, block_cols=128))
+  if current:
+    scalars = (jnp.float32(3.0), jnp.float32(1.0), jnp.float32(0.0))
+    if interpret:
+      cast = lambda **kw: cast_transpose_from_amax(h, *scalars, interpret=True, **blocks, **kw)
+    else:
+      cast = lambda **kw: cast_transpose_from_amax_reference(h, *scalars, **kw)
+  else:
+    chain = (functools.partial(cast_transpose_amax_in_chain, interpret=True) if interpret
+             else cast_transpose_amax_in_chain_reference)
+    cast = lambda **kw: chain(h, jnp.float32(10.0), None, tile_amaxes=True, **blocks, **kw)
+  codes, descales = cast(**args).kept
+  want = saved_activations.quantize_groups(h)
+  assert codes.dtype == want[0].dtype and descales.shape == (80, 3)
+  np.testing.assert_array_equal(np.asarray(codes).view(np.uint8),
+                                np.asarray(want[0]).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(descales).view(np.uint32),
+                                np.asarray(want[1]).view(np.uint32))
+  assert float(descales[3, 0]) == 1.0 and float(descales[5, 1]) < 2.0**-80
+
+
+def test_keeping_a_cast_s_input_needs_tiles_one_group_wide():
+  from pallas_kernels import CastTransposeBlockSizes, cast_transpose_amax_in_chain
+  h = jnp.ones((32, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="block_cols=128"):
+    cast_transpose_amax_in_chain(h, jnp.float32(1), None, fp8_dtype=jnp.float8_e4m3fn,
+                                 fp8_max=448.0, keep_groups=True, tile_amaxes=True,
+                                 block_sizes=CastTransposeBlockSizes(block_rows=16,
+                                                                     block_cols=64),
+                                 interpret=True)

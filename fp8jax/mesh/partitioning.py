@@ -22,8 +22,10 @@ on its own shard:
   running amaxes, descales, an earlier kernel's tile maxima);
 * each device runs the kernel on its own shard of `t`: its tensor outputs are
   `t`'s layout ("same", sharded as `t`) or its transpose ("transposed", the
-  two axes' shardings swapped), so nothing is gathered (the qkv gradient's cast,
-  `heads=`, writes 3 columns per column of `t`, split by the same whole heads);
+  two axes' shardings swapped), or one value per row and group of 128 columns
+  ("groups", split as `t`, its columns in whole groups), so nothing is gathered (the
+  qkv gradient's cast, `heads=`, writes 3 columns per column of `t`, split by the same
+  whole heads);
 * the amax outputs ("amax") are made global by a max over the mesh axes that
   split `t` (bit for bit the single-device amax: a max does not depend on the
   order it is taken in); so are the maxima of the kernel's tiles ("tiles", left
@@ -55,7 +57,7 @@ from fp8jax.core.quantize import max_by_bits
 from pallas_kernels.cast_transpose_checks import broadcast_kind
 from pallas_kernels.cast_transpose_tiling import GROUP_COLUMNS
 
-OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector")
+OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector", "groups")
 
 
 def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
@@ -93,7 +95,7 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
     # Columns split only in whole heads (the rotary gradient) or whole groups (a
     # prologue input of one value per row and group of columns).
     column_unit = (heads[1] if heads is not None else
-                   GROUP_COLUMNS if "groups" in broadcasts else 1)
+                   GROUP_COLUMNS if "groups" in broadcasts + outputs else 1)
 
     def partition(mesh, arg_shapes, result_shape):
       t_spec = _divisible_spec(mesh, arg_shapes[0], column_unit)
@@ -198,12 +200,13 @@ def _sharding_rule(ranks: tuple, outputs, broadcasts: tuple = (), columns: str =
   rank 0, each vector operand and output a factor of its own (replicated in `partition`).
   `columns`, `out_columns`: the factors of t's and of the tensor outputs' columns (`c`)."""
   c, out = columns, out_columns or columns
-  layout = {"same": f"r {out}", "transposed": f"{out} r", "amax": "", "scalar": ""}
+  layout = {"same": f"r {out}", "transposed": f"{out} r", "amax": "", "scalar": "",
+            "groups": "r g{i}"}
   further = {"tile": f"r {c}", "rows": "r o{i}", "columns": "o{i} " + c, "groups": "r o{i}"}
   operands = ", ".join([f"r {c}"] + [further[kind].format(i=i)
                                      for i, kind in enumerate(broadcasts)]
                        + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
-  results = ", ".join(layout.get(kind, f"w{i}") for i, kind in enumerate(outputs))
+  results = ", ".join(layout.get(kind, "w{i}").format(i=i) for i, kind in enumerate(outputs))
   return f"{operands} -> {results}"
 
 
@@ -245,7 +248,8 @@ def _divisible_spec(mesh, shape, column_unit: int = 1) -> PartitionSpec:
 
 def _result_shardings(mesh, t_spec: PartitionSpec, outputs) -> tuple:
   rows, cols = tuple(t_spec) + (None,) * (2 - len(t_spec))
-  specs = {"same": PartitionSpec(rows, cols), "transposed": PartitionSpec(cols, rows),
+  specs = {"same": PartitionSpec(rows, cols), "groups": PartitionSpec(rows, cols),
+           "transposed": PartitionSpec(cols, rows),
            "amax": PartitionSpec(), "scalar": PartitionSpec(), "tiles": PartitionSpec(),
            "vector": PartitionSpec()}
   return tuple(NamedSharding(mesh, specs[kind]) for kind in outputs)

@@ -175,7 +175,7 @@ def _fp8_dot(x, kernel, meta, reused, x_amax, dims, kernel_dtype, layout):
 
 def _fp8_dot_fwd_impl(x, kernel, meta, reused, x_amax, dims, layout):
   if layout is not None:
-    out, new_meta, residuals = matrix_fwd(x, kernel, meta, reused, layout, x_amax)
+    out, new_meta, residuals, _ = matrix_fwd(x, kernel, meta, reused, layout, x_amax)
   else:
     out, new_meta, residuals = _general_fwd(x, kernel, meta, dims)
   # Under jax.vmap with one state: the whole batch's amaxes (fp8jax.core.quantize.unbatched_like).
@@ -363,7 +363,7 @@ def _quantize_matrix(t, meta, like, partner_descales, gathered_for=None, known_a
         margin=meta.recipe.margin, power_of_two=meta.recipe.power_of_two, recorded=t_amax,
         partner_descales=partner_descales, gathered_for=gathered_for,
         pass_through=chain.get("pass_through", ()), prologue=prologue,
-        prologue_inputs=prologue_inputs)
+        prologue_inputs=prologue_inputs, keep_groups=chain.get("keep_groups", False))
     return cast, cast.descale, None
   scale, scale_inv = packed.get("scale", meta.scale), packed.get("scale_inv", meta.scale_inv)
   running = meta.amax
@@ -401,13 +401,16 @@ def _packed_state(meta: DotMeta) -> dict:
 
 
 def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
-               x_prologue_inputs=()):
-  """The matrix path's forward: (out, new_meta, residuals).
+               x_prologue_inputs=(), keep_x=False):
+  """The matrix path's forward: (out, new_meta, residuals, kept).
 
   `x_prologue`: the GEMM's input is `x_prologue.fn(x, *x_prologue_inputs)`, made by x's
   cast (`fp8jax.ops.fused_kernels.cast_in_chain`, or `cast_from_amax` under current
   scaling; `fp8jax.ops.mlp`, `fp8jax.ops.norm_dense`), each input of the folded x's shape
-  [M, K], or [M, 1] or [1, K].
+  [M, K], or [M, 1] or [1, K]. `keep_x`: x's cast also writes x itself (before the
+  prologue) as the FP8 copy a backward pass keeps, returned as `kept`
+  (`saved_activations.quantize_groups`' codes [M, K] and descales, of the folded x);
+  else `kept` is None.
   """
   if x_prologue is not None and x_amax is not None:
     raise ValueError("x_amax is max|x|, not the amax of the x_prologue's result that x's cast "
@@ -415,6 +418,8 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   x2 = explicit_mesh.to_matrix(x, x.ndim - layout.n_contract)
   with_prologue = {} if x_prologue is None else dict(prologue=x_prologue,
                                                      prologue_inputs=tuple(x_prologue_inputs))
+  if keep_x:
+    with_prologue["keep_groups"] = True
   # Delayed scaling's running amaxes enter the step as its parameters or zeros:
   # buffers a cast kernel cannot max into in place (XLA would copy each first, a
   # launch for 4 bytes). So the layer's casts form a chain instead
@@ -486,7 +491,7 @@ def matrix_fwd(x, kernel, meta, reused, layout, x_amax=None, x_prologue=None,
   g_accumulator = (checkpoint_name(x_cast.seeds[0], saved_activations.GRAD_AMAX_SEED)
                    if chain else None)
   residuals = (qx_t, qk, scale_inv_x, scale_inv_k, meta.grad, g_accumulator, packed["grad"])
-  return out, new_meta, residuals
+  return out, new_meta, residuals, x_cast.kept
 
 
 def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=None,

@@ -65,8 +65,12 @@ from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_fr
 from fp8jax.mesh.axes import fully_manual, inside_shard_map
 from fp8jax.mesh.explicit import is_explicitly_sharded
 from fp8jax.mesh.partitioning import shard_local, shard_local_weight_cast, vmapped_as
+from fp8jax.ops import saved_activations
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
+# The kinds (`fp8jax.mesh.partitioning`) of a cast's kept FP8 copy: codes split as x, one
+# descale per row and group of columns split as x in whole groups.
+_KEPT_KINDS = ("same", "groups")
 _KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _FORCED = contextvars.ContextVar("fp8jax_fused_kernels", default=None)
 
@@ -206,6 +210,8 @@ class Cast(NamedTuple):
     reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
     seeds: float32[] zeros, accumulators for later casts.
     passed: copies of the `pass_through` arrays.
+    kept: with `keep_groups`, x (before the prologue) as the FP8 copy a backward pass
+      keeps, `saved_activations.quantize_groups(x)`'s (codes, descales); else None.
   """
 
   q: jax.Array
@@ -215,6 +221,7 @@ class Cast(NamedTuple):
   reduced: jax.Array | None
   seeds: tuple
   passed: tuple
+  kept: tuple | None = None
 
 
 def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None,
@@ -223,7 +230,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
                   accumulator: jax.Array | None = None, tile_amaxes: bool = False,
                   reduce: tuple | None = None, seeds: int = 0, pass_through: tuple = (),
                   prologue: Prologue | None = None, prologue_inputs: tuple = (),
-                  valid_rows: jax.Array | None = None) -> Cast:
+                  valid_rows: jax.Array | None = None, keep_groups: bool = False) -> Cast:
   """`cast_transpose_amax` as one cast of a chain whose amaxes need no kernel of their own.
 
   The cast kernel folds its tiles' maxima into one float32 with atomics, so that
@@ -263,6 +270,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     seeds: how many zeroed accumulators to return.
     pass_through: float32 scalars and vectors to return copies of.
     prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` instead of x.
+    keep_groups: also return x itself (before the prologue) as the FP8 copy a backward
+      pass keeps (`Cast.kept`), written by the same pass over x on a GPU.
 
   Returns:
     A `Cast`.
@@ -286,6 +295,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     scale, descale = element_value(scale), element_value(descale)
     if with_products:
       partner_descales = tuple(map(element_value, partner_descales))
+    kept = saved_activations.quantize_groups(x) if keep_groups else None
     if prologue is not None:
       x = prologue.applied_to(x, others)
     x = pallas_kernels.rows_in_use(x, valid_rows)
@@ -302,7 +312,7 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
       tiles, running = reduce
       reduced = amax_max(running, max_by_bits(tiles))
     return Cast(q, q.T, new_amax, products, reduced, (jnp.zeros((), jnp.float32),) * seeds,
-                tuple(pass_through))
+                tuple(pass_through), kept)
 
   def local_kernel(x, *operands):
     operands = list(operands)
@@ -318,13 +328,14 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
         x, scale, running, fp8_dtype=fmt.dtype, fp8_max=fmt.max, descale=descale,
         partner_descales=partners, accumulator=acc, tile_amaxes=tile_amaxes, reduce=tiles,
         seeds=seeds, pass_through=tuple(operands), prologue=prologue, prologue_inputs=tensors,
-        valid_rows=rows)
+        valid_rows=rows, keep_groups=keep_groups)
     return (out.q, out.q_t, out.amax, *(out.products or ()),
-            *((out.reduced,) if reduce is not None else ()), *out.seeds, *out.passed)
+            *((out.reduced,) if reduce is not None else ()), *out.seeds, *out.passed,
+            *(out.kept or ()))
 
   kinds = (("same", "transposed", "tiles" if tile_amaxes else "amax")
            + ("scalar",) * (n_products + (reduce is not None) + seeds)
-           + ("vector",) * len(pass_through))
+           + ("vector",) * len(pass_through) + _KEPT_KINDS * keep_groups)
 
   def kernel(x, scale, running_amax, descale, partner_descales, accumulator, reduce,
              pass_through, others, valid_rows, gathered_for):
@@ -348,11 +359,13 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
         results = shard_local_weight_cast(on_leaves)(
             x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind=kinds[2])
     q, q_t, new_amax, *rest = results
+    kept = tuple(rest[-2:]) if keep_groups else None
+    rest = rest[:len(rest) - 2 * keep_groups]
     products = tuple(rest[:n_products]) if with_products else None
     rest = rest[n_products:]
     reduced = rest.pop(0) if reduce is not None else None
     passed = tuple(c.reshape(shape) for c, shape in zip(rest[seeds:], shapes))
-    return Cast(q, q_t, new_amax, products, reduced, tuple(rest[:seeds]), passed)
+    return Cast(q, q_t, new_amax, products, reduced, tuple(rest[:seeds]), passed, kept)
 
   if valid_rows is not None:
     valid_rows = jnp.asarray(valid_rows, jnp.int32)
@@ -463,6 +476,7 @@ class ScaledCast(NamedTuple):
     descale: float32[] 1 / scale.
     products: the GEMMs' combined descales (None without `partner_descales`).
     passed: copies of the `pass_through` arrays.
+    kept: with `keep_groups`, x's FP8 copy for a backward pass (as `Cast.kept`); else None.
   """
 
   q: jax.Array
@@ -471,13 +485,15 @@ class ScaledCast(NamedTuple):
   descale: jax.Array
   products: tuple | None
   passed: tuple
+  kept: tuple | None = None
 
 
 def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
                    running_amax: jax.Array, fmt: Fp8Format, *, margin: int, power_of_two: bool,
                    recorded: jax.Array | None = None, partner_descales: tuple | None = None,
                    gathered_for: jax.Array | None = None, pass_through: tuple = (),
-                   prologue: Prologue | None = None, prologue_inputs: tuple = ()) -> ScaledCast:
+                   prologue: Prologue | None = None, prologue_inputs: tuple = (),
+                   keep_groups: bool = False) -> ScaledCast:
   """Current scaling's cast of a 2-D x whose amax `t_amax` is already known.
 
   `scale = scale_from_amax(t_amax, fmt, margin, fallback_scale, power_of_two)`, the
@@ -501,6 +517,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
       which their kernels make).
     prologue, prologue_inputs: as for `cast_in_chain`: cast `prologue.fn(x,
       *prologue_inputs)`; t_amax is then that function's amax (`prologue_amax`).
+    keep_groups: as for `cast_in_chain`.
 
   Returns:
     A `ScaledCast`.
@@ -517,6 +534,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
   def reference(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
                 pass_through, others, gathered_for=None):
     fallback_scale, running_amax = element_value(fallback_scale), element_value(running_amax)
+    kept = saved_activations.quantize_groups(x) if keep_groups else None
     if prologue is not None:
       x = prologue.applied_to(x, others)
     scale = scale_from_amax(t_amax, fmt, margin, fallback=fallback_scale,
@@ -526,7 +544,7 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
     products = (tuple(jnp.minimum(descale * p, _F32_MAX) for p in partner_descales)
                 if partner_descales is not None else None)
     return ScaledCast(q, q.T, amax_max(running_amax, recorded), descale, products,
-                      tuple(pass_through))
+                      tuple(pass_through), kept)
 
   def local_kernel(x, *operands):
     tensors, (fallback_scale, t_amax, running_amax, recorded, *rest) = (
@@ -536,12 +554,13 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
         x, t_amax, fallback_scale, running_amax, fp8_dtype=fmt.dtype, fp8_max=fmt.max,
         margin=margin, power_of_two=power_of_two, recorded_amax=recorded,
         partner_descales=partners, pass_through=tuple(rest[n_products:]), prologue=prologue,
-        prologue_inputs=tuple(tensors))
-    return (out.q, out.q_t, out.amax, out.descale, *(out.products or ()), *out.passed)
+        prologue_inputs=tuple(tensors), keep_groups=keep_groups)
+    return (out.q, out.q_t, out.amax, out.descale, *(out.products or ()), *out.passed,
+            *(out.kept or ()))
 
   # Every scalar output comes from replicated operands alone: nothing to reduce.
   kinds = ("same", "transposed", "scalar", "scalar") + ("scalar",) * n_products + (
-      "vector",) * len(pass_through)
+      "vector",) * len(pass_through) + _KEPT_KINDS * keep_groups
 
   def kernel(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
              pass_through, others, gathered_for):
@@ -559,9 +578,11 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
         results = shard_local_weight_cast(on_leaves)(
             x, gathered_for, *leaves, n_scalars_out=len(kinds) - 3, amax_kind="scalar")
     q, q_t, new_amax, descale, *rest = results
+    kept = tuple(rest[-2:]) if keep_groups else None
+    rest = rest[:len(rest) - 2 * keep_groups]
     products = tuple(rest[:n_products]) if partner_descales is not None else None
     passed = tuple(c.reshape(shape) for c, shape in zip(rest[n_products:], shapes))
-    return ScaledCast(q, q_t, new_amax, descale, products, passed)
+    return ScaledCast(q, q_t, new_amax, descale, products, passed, kept)
 
   args = (x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
           tuple(pass_through), others, gathered_for)

@@ -197,21 +197,28 @@ def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, st
     with_norm = dict(x_prologue=activations.RMS_NORM, x_prologue_inputs=prologue_inputs)
   # The projections' kernels are named "up" and "down" in the program (their op names,
   # which `fp8jax inspect` and `fp8jax cost` read), as `Fp8Mlp` names their variables.
+  keep_h = static.save_fp8 and differentiated
   with jax.named_scope("up"):
-    h, new_in, residuals_in = matrix_fwd(x, w_in, meta_in, reused[0], static.layout_in,
-                                         **with_norm)
+    h, new_in, residuals_in, _ = matrix_fwd(x, w_in, meta_in, reused[0], static.layout_in,
+                                            **with_norm)
   with jax.named_scope("down"):
-    y, new_out, residuals_out = matrix_fwd(h, w_out, meta_out, reused[1], static.layout_out,
-                                           x_prologue=activations.GELU)
+    # With save_fp8 the cast that makes gelu(h)'s FP8 copy also writes h's, for the
+    # backward: the one pass over h makes both.
+    y, new_out, residuals_out, kept_h = matrix_fwd(h, w_out, meta_out, reused[1],
+                                                   static.layout_out,
+                                                   x_prologue=activations.GELU, keep_x=keep_h)
   if residual is not None:
     y = x + y
   kept = h
-  if static.save_fp8 and differentiated:
-    # h's FP8 copy is made with the output, then named (so a remat policy keeps the copy,
-    # not the barrier): else XLA moves the quantization into the backward beside its one
-    # reader and keeps h in bf16 until then (2 bytes per d_ff element instead of 1.03).
-    codes, y = jax.lax.optimization_barrier((saved_activations.quantize_groups(h), y))
-    kept = saved_activations.SavedFp8(*saved_activations.named(*codes, "gelu"))
+  if keep_h:
+    # h's FP8 copy is tied to the output, then named (so a remat policy keeps the copy,
+    # not the barrier): else, where the copy is made in jnp, XLA moves the quantization
+    # into the backward beside its one reader and keeps h in bf16 until then (2 bytes
+    # per d_ff element instead of 1.03).
+    codes, descales = kept_h
+    (codes, descales), y = jax.lax.optimization_barrier(
+        ((codes.reshape(h.shape), descales.reshape(*h.shape[:-1], -1)), y))
+    kept = saved_activations.SavedFp8(*saved_activations.named(codes, descales, "gelu"))
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   outputs = (y, amaxes_unbatched_like(meta_in, new_in), amaxes_unbatched_like(meta_out, new_out))
   return outputs, (residuals_in, residuals_out, kept, norm_residuals)

@@ -139,9 +139,9 @@ def _norm_dense(x, scale, kernel, meta, reused, static):
 def forward(x, scale, kernel, meta, reused, static):
   """`_norm_dense`'s forward: ((y, the new meta), residuals)."""
   r, prologue_inputs = normalizing_prologue(x, scale, static.eps)
-  y, new_meta, residuals = matrix_fwd(x, kernel, meta, reused, static.layout,
-                                      x_prologue=activations.RMS_NORM,
-                                      x_prologue_inputs=prologue_inputs)
+  y, new_meta, residuals, _ = matrix_fwd(x, kernel, meta, reused, static.layout,
+                                         x_prologue=activations.RMS_NORM,
+                                         x_prologue_inputs=prologue_inputs)
   kept = norm_math.kept_for_backward(x, r, static.save_fp8)
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   return (y, amaxes_unbatched_like(meta, new_meta)), (residuals, kept, r, scale)
