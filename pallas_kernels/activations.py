@@ -80,12 +80,15 @@ class Prologue:
       RoPE's transpose (`pallas_kernels.rotary_gradient`): then `fn` is not elementwise
       (it maps x [R, C] and 4 inputs to [R, 3 C]) and the kernel computes it its own way.
     rotary_dtype: with `rotary`, the gradients' dtype name, which the result is rounded to.
+    kept: what a cast that keeps its input for a backward pass (`keep_groups`) keeps:
+      `kept(x, *others)` of float32 tiles, or None to keep x itself.
   """
 
   fn: Callable[..., jax.Array]
   inputs: int = 0
   rotary: int | None = None
   rotary_dtype: str | None = None
+  kept: Callable[..., jax.Array] | None = None
 
   def __post_init__(self):
     if not callable(self.fn):
@@ -107,11 +110,28 @@ class Prologue:
     """
     return self.fn(x.astype(jnp.float32), *(t.astype(jnp.float32) for t in inputs))
 
+  def kept_of(self, x: jax.Array, inputs) -> jax.Array:
+    """What a cast keeping its input keeps (`kept`, or x), in float32, in jnp.
+
+    Returns:
+      float32, x's shape.
+    """
+    x = x.astype(jnp.float32)
+    if self.kept is None:
+      return x
+    return self.kept(x, *(t.astype(jnp.float32) for t in inputs))
+
 
 def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:
   """RMSNorm's output `(x r) g` in float32, from x [R, C], each row's r = 1 / rms [R, 1] and
   the gains g [1, C] (float32), in the order `fp8jax.ops.rms_norm` multiplies them."""
   return x * reciprocal_rms * gain
+
+
+def rms_normalized(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:
+  """`x r` before the gains, what RMSNorm's backward keeps (`fp8jax.ops.rms_norm`)."""
+  del gain
+  return x * reciprocal_rms
 
 
 # The prologues fp8jax's ops use: the GELU before a projection's cast, its backward
@@ -122,4 +142,4 @@ GELU_BACKWARD = Prologue(gelu_tanh_backward, inputs=1)
 # The GELU's backward reading its input as the FP8 copy the forward kept: the codes
 # [R, C] and one descale per row and group of columns [R, ceil(C / GROUP_COLUMNS)].
 GELU_BACKWARD_FROM_FP8 = Prologue(gelu_tanh_backward_from_fp8, inputs=2)
-RMS_NORM = Prologue(rms_normalize, inputs=2)
+RMS_NORM = Prologue(rms_normalize, inputs=2, kept=rms_normalized)

@@ -100,7 +100,8 @@ class CastSpec:
   operand limits the rows in use (`row_limit`: rows at and past it read as 0), and
   whether the kernel also writes x itself (before the prologue) as E4M3 codes with one
   power-of-two descale per row and group of `GROUP_COLUMNS` columns (`keeps_groups`:
-  the copy a backward pass keeps, `keep_groups_reference`)."""
+  the copy a backward pass keeps, `keep_groups_reference`; of `prologue.kept`'s value
+  where the prologue names one)."""
 
   dtype: jnp.dtype
   max: float
@@ -252,12 +253,14 @@ def _kernel(*refs, tiling: Tiling, cast: CastSpec | None, partners: int, amax: A
                      cast, scale, from_amax, q_ref, q_t_ref)
     return
   x = load(x_ref)
+  others = [load(ref) for ref in other_refs]
   if kept_refs:
-    _store_groups(x, tiling, mask, *kept_refs, interpret)
+    kept = prologue.kept(x, *others) if prologue is not None and prologue.kept else x
+    _store_groups(kept, tiling, mask, *kept_refs, interpret)
   if prologue is not None:
     # The tensor cast is the prologue's result, in float32 (never written in bf16);
     # it maps zeros to 0, so a masked edge keeps the amax's identity.
-    x = prologue.fn(x, *map(load, other_refs))
+    x = prologue.fn(x, *others)
   if rows_ref is not None:
     # Rows past the limit (a grouped GEMM's rows past its groups) read as 0: they enter
     # no amax, and their FP8 rows are written as zeros (a NaN there would otherwise
@@ -518,7 +521,8 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
                 for length, vector in zip(amax.passed, passed)]
   keeps = cast is not None and cast.keeps_groups
   if keeps:
-    if rotary is not None or block[1] != GROUP_COLUMNS:
+    # A tile is one group, or (C <= its width) the whole row, a group of its own.
+    if rotary is not None or (block[1] != GROUP_COLUMNS and cols > block[1]):
       raise ValueError(f"keep_groups writes x with one descale per row and group of "
                        f"{GROUP_COLUMNS} columns, a group per tile: pass block_sizes with "
                        f"block_cols={GROUP_COLUMNS} (got {block[1]}), and no rotary prologue.")

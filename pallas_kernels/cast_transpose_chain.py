@@ -102,8 +102,9 @@ def cast_transpose_amax_in_chain(
     prologue_inputs: the further tensors the prologue reads, each of x's shape, [R, 1] or
       [1, C].
     valid_rows: as for `cast_transpose_amax` (rows past it read as 0, after the prologue).
-    keep_groups: also write x itself, before the prologue, as the FP8 copy a backward
-      pass keeps (`ChainedCast.kept`): one pass over x makes both (block_cols 128).
+    keep_groups: also write x itself, before the prologue (or `prologue.kept`'s value of
+      it), as the FP8 copy a backward pass keeps (`ChainedCast.kept`): one pass over x
+      makes both (block_cols 128).
 
   Returns:
     A `ChainedCast`.
@@ -151,7 +152,8 @@ def cast_transpose_amax_in_chain_reference(
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   _check_rotary(prologue, tile_amaxes, valid_rows)
   check_flag(keep_groups, "keep_groups")
-  kept = keep_groups_reference(x) if keep_groups else None
+  kept = (keep_groups_reference(x if prologue is None else prologue.kept_of(x, prologue_inputs))
+          if keep_groups else None)
   if prologue is not None:
     x = prologue.applied_to(x, prologue_inputs)
   x = rows_in_use(x, row_limit(valid_rows))

@@ -92,8 +92,9 @@ def cast_transpose_from_amax(
     prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` (float32, made in
       the kernel's registers) instead of x, as `cast_transpose_amax_in_chain`; `amax` is
       then max|prologue.fn(...)|.
-    keep_groups: also write x, before the prologue, as the FP8 copy a backward pass keeps
-      (`CastFromAmax.kept`, as `cast_transpose_amax_in_chain`).
+    keep_groups: also write x, before the prologue (or `prologue.kept`'s value of it), as
+      the FP8 copy a backward pass keeps (`CastFromAmax.kept`, as
+      `cast_transpose_amax_in_chain`).
 
   Returns:
     A `CastFromAmax`.
@@ -139,7 +140,8 @@ def cast_transpose_from_amax_reference(
   check_x(x)
   prologue_inputs = check_prologue(prologue, prologue_inputs, x)
   check_flag(keep_groups, "keep_groups")
-  kept = keep_groups_reference(x) if keep_groups else None
+  kept = (keep_groups_reference(x if prologue is None else prologue.kept_of(x, prologue_inputs))
+          if keep_groups else None)
   if prologue is not None:
     x = prologue.applied_to(x, prologue_inputs)
   fp8_dtype = check_fp8(fp8_dtype, fp8_max)

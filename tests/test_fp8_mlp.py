@@ -208,13 +208,16 @@ def test_fp8_mlp_on_the_kernel_path_gives_the_jnp_paths_bits(request, recipe):
     _assert_state_close(state, want_state)
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["mlp", "norm_mlp"])
 @pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
                          ids=["delayed", "current"])
 def test_fp8_mlp_with_its_gelu_input_kept_in_fp8_gives_the_jnp_paths_numbers_on_the_kernels(
-    request, recipe, reduced_prologues):
-  """`save_fp8`: the GELU's backward cast reads the kept codes and descales (two groups
-  of columns, the second ragged) on the Pallas kernels (interpreted) as the jnp path does."""
-  mlp = functools.partial(fp8_mlp, save_fp8=True)
+    request, recipe, norm, reduced_prologues):
+  """`save_fp8` on the Pallas kernels (interpreted) against the jnp path: the casts that
+  read the norm's and the GELU's inputs write their FP8 copies (two groups of columns, the
+  second ragged), the GELU's backward cast reads its copy's codes and descales."""
+  gain = jnp.asarray(_rng("gain").uniform(0.5, 1.5, 96), jnp.float32) if norm else None
+  mlp = functools.partial(fp8_mlp, save_fp8=True, norm_scale=gain)
   want = _steps(mlp, recipe, jnp.bfloat16)
   request.getfixturevalue("interpreted_kernels")
   got = _steps(mlp, recipe, jnp.bfloat16)

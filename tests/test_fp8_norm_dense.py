@@ -13,6 +13,7 @@ H100 without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -127,12 +128,16 @@ def test_fp8_rms_norm_dense_is_bitwise_the_composition_in_float32(recipe):
     assert float(meta.amax_history[0]) > 0
 
 
+@pytest.mark.parametrize("save_fp8", [False, True], ids=["bf16_x", "fp8_x"])
 @pytest.mark.parametrize("recipe", [DELAYED, fp8jax.CurrentScaling()],
                          ids=["delayed", "current"])
-def test_fp8_rms_norm_dense_on_the_kernel_path_gives_the_jnp_paths_bits(request, recipe):
-  want = _dense_steps(fp8_rms_norm_dense, recipe, jnp.bfloat16)
+def test_fp8_rms_norm_dense_on_the_kernel_path_gives_the_jnp_paths_bits(request, recipe,
+                                                                         save_fp8):
+  """With `save_fp8` the norm's FP8 copy for the backward is written by the cast."""
+  dense = functools.partial(fp8_rms_norm_dense, save_fp8=save_fp8)
+  want = _dense_steps(dense, recipe, jnp.bfloat16)
   request.getfixturevalue("interpreted_kernels")
-  got = _dense_steps(fp8_rms_norm_dense, recipe, jnp.bfloat16)
+  got = _dense_steps(dense, recipe, jnp.bfloat16)
   assert_bitwise(got, want)
 
 

@@ -186,22 +186,32 @@ def test_names_match_the_policy():
   assert len(_saved_residuals(keep, x)) > len(_saved_residuals(drop, x))
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["gelu", "rms_norm"])
 @pytest.mark.parametrize("current", [False, True], ids=["chain", "from_amax"])
 @pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "jnp"])
-def test_a_cast_that_keeps_its_input_writes_the_bits_of_save(current, interpret):
-  """`keep_groups`: the cast of gelu(h) also writes h itself as `save` keeps it, bit for bit
-  (the kernel in the Pallas interpreter and its jnp definition): one group per tile, a
+def test_a_cast_that_keeps_its_input_writes_the_bits_of_save(current, interpret, norm):
+  """`keep_groups`: the cast of gelu(h) also writes h itself as `save` keeps it, and the cast
+  of rms_norm(x) the x r the norm's backward keeps (`rms_norm.kept_for_backward`), bit for
+  bit (the kernel in the Pallas interpreter and its jnp definition): one group per tile, a
   ragged last group, a row of zeros (scale 1, zero codes), a group of tiny values (a large
   power-of-two scale) and magnitudes over 12 decades."""
   from pallas_kernels import (CastTransposeBlockSizes, cast_transpose_amax_in_chain,
                               cast_transpose_amax_in_chain_reference, cast_transpose_from_amax,
                               cast_transpose_from_amax_reference)
-  from pallas_kernels.activations import GELU
+  from pallas_kernels.activations import GELU, RMS_NORM
+  from fp8jax.ops import rms_norm as norm_math
   h = _log_uniform((80, 300), seed=7)
   h[3] = 0.0
   h[5, 128:256] *= 1e-30
   h = jnp.asarray(h, jnp.bfloat16)
-  args = dict(fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0, prologue=GELU, keep_groups=True)
+  prologue = dict(prologue=GELU)
+  want = saved_activations.quantize_groups(h)
+  if norm:
+    r = norm_math.reciprocal_rms(h, 1e-6)
+    gains = jnp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, (1, 300)), jnp.float32)
+    prologue = dict(prologue=RMS_NORM, prologue_inputs=(r, gains))
+    want = tuple(norm_math.kept_for_backward(h, r, save_fp8=True))
+  args = dict(fp8_dtype=jnp.float8_e4m3fn, fp8_max=448.0, keep_groups=True, **prologue)
   blocks = dict(block_sizes=CastTransposeBlockSizes(block_rows=16, block_cols=128))
   if current:
     scalars = (jnp.float32(3.0), jnp.float32(1.0), jnp.float32(0.0))
@@ -214,13 +224,25 @@ def test_a_cast_that_keeps_its_input_writes_the_bits_of_save(current, interpret)
              else cast_transpose_amax_in_chain_reference)
     cast = lambda **kw: chain(h, jnp.float32(10.0), None, tile_amaxes=True, **blocks, **kw)
   codes, descales = cast(**args).kept
-  want = saved_activations.quantize_groups(h)
   assert codes.dtype == want[0].dtype and descales.shape == (80, 3)
   np.testing.assert_array_equal(np.asarray(codes).view(np.uint8),
                                 np.asarray(want[0]).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(descales).view(np.uint32),
                                 np.asarray(want[1]).view(np.uint32))
   assert float(descales[3, 0]) == 1.0 and float(descales[5, 1]) < 2.0**-80
+
+
+def test_a_cast_narrower_than_a_group_keeps_each_row_as_one_group():
+  """48 columns: the kernel's tile is 64 wide and spans each row, one group (as `save`)."""
+  from pallas_kernels import cast_transpose_amax_in_chain
+  x = jnp.asarray(_log_uniform((40, 48), seed=9), jnp.bfloat16)
+  kept = cast_transpose_amax_in_chain(x, jnp.float32(1), None, fp8_dtype=jnp.float8_e4m3fn,
+                                      fp8_max=448.0, keep_groups=True, tile_amaxes=True,
+                                      interpret=True).kept
+  want = saved_activations.quantize_groups(x)
+  assert kept[1].shape == (40, 1)
+  for got, expected in zip(kept, want):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 
 def test_keeping_a_cast_s_input_needs_tiles_one_group_wide():

@@ -210,8 +210,9 @@ class Cast(NamedTuple):
     reduced: float32[] max(running, max(tiles)) of `reduce=(tiles, running)`, or None.
     seeds: float32[] zeros, accumulators for later casts.
     passed: copies of the `pass_through` arrays.
-    kept: with `keep_groups`, x (before the prologue) as the FP8 copy a backward pass
-      keeps, `saved_activations.quantize_groups(x)`'s (codes, descales); else None.
+    kept: with `keep_groups`, x (before the prologue; `prologue.kept`'s value where it
+      names one) as the FP8 copy a backward pass keeps, `saved_activations.quantize_groups`'
+      (codes, descales); else None.
   """
 
   q: jax.Array
@@ -270,8 +271,9 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     seeds: how many zeroed accumulators to return.
     pass_through: float32 scalars and vectors to return copies of.
     prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` instead of x.
-    keep_groups: also return x itself (before the prologue) as the FP8 copy a backward
-      pass keeps (`Cast.kept`), written by the same pass over x on a GPU.
+    keep_groups: also return x itself (before the prologue, or `prologue.kept`'s value of
+      it) as the FP8 copy a backward pass keeps (`Cast.kept`), written by the same pass
+      over x on a GPU.
 
   Returns:
     A `Cast`.
@@ -295,7 +297,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     scale, descale = element_value(scale), element_value(descale)
     if with_products:
       partner_descales = tuple(map(element_value, partner_descales))
-    kept = saved_activations.quantize_groups(x) if keep_groups else None
+    kept = (saved_activations.quantize_groups(
+        x if prologue is None else prologue.kept_of(x, others)) if keep_groups else None)
     if prologue is not None:
       x = prologue.applied_to(x, others)
     x = pallas_kernels.rows_in_use(x, valid_rows)
@@ -534,7 +537,8 @@ def cast_from_amax(x: jax.Array, t_amax: jax.Array, fallback_scale: jax.Array,
   def reference(x, t_amax, fallback_scale, running_amax, recorded, partner_descales,
                 pass_through, others, gathered_for=None):
     fallback_scale, running_amax = element_value(fallback_scale), element_value(running_amax)
-    kept = saved_activations.quantize_groups(x) if keep_groups else None
+    kept = (saved_activations.quantize_groups(
+        x if prologue is None else prologue.kept_of(x, others)) if keep_groups else None)
     if prologue is not None:
       x = prologue.applied_to(x, others)
     scale = scale_from_amax(t_amax, fmt, margin, fallback=fallback_scale,

@@ -190,35 +190,38 @@ def _forward(x, w_in, w_out, meta_in, meta_out, norm_scale, residual, reused, st
              differentiated=True):
   if residual is not None:  # the sublayer: s + mlp(rms_norm(s)), s = x + residual
     x = x + residual
-  norm_residuals, with_norm = None, {}
+  # With save_fp8 the casts that read the norm's input and the GELU's write their FP8
+  # copies for the backward too: the one pass over each makes both.
+  keep = static.save_fp8 and differentiated
+  r, with_norm = None, {}
   if static.norm_eps is not None:
     r, prologue_inputs = normalizing_prologue(x, norm_scale, static.norm_eps)
-    norm_residuals = (norm_math.kept_for_backward(x, r, static.save_fp8), r, norm_scale)
-    with_norm = dict(x_prologue=activations.RMS_NORM, x_prologue_inputs=prologue_inputs)
+    with_norm = dict(x_prologue=activations.RMS_NORM, x_prologue_inputs=prologue_inputs,
+                     keep_x=keep)
   # The projections' kernels are named "up" and "down" in the program (their op names,
   # which `fp8jax inspect` and `fp8jax cost` read), as `Fp8Mlp` names their variables.
-  keep_h = static.save_fp8 and differentiated
   with jax.named_scope("up"):
-    h, new_in, residuals_in, _ = matrix_fwd(x, w_in, meta_in, reused[0], static.layout_in,
-                                            **with_norm)
+    h, new_in, residuals_in, kept_n = matrix_fwd(x, w_in, meta_in, reused[0],
+                                                 static.layout_in, **with_norm)
+  norm_residuals = None
+  if r is not None:
+    kept_x = (saved_activations.from_cast(kept_n, x.shape, "norm") if keep
+              else norm_math.kept_for_backward(x, r, static.save_fp8))
+    norm_residuals = (kept_x, r, norm_scale)
   with jax.named_scope("down"):
-    # With save_fp8 the cast that makes gelu(h)'s FP8 copy also writes h's, for the
-    # backward: the one pass over h makes both.
     y, new_out, residuals_out, kept_h = matrix_fwd(h, w_out, meta_out, reused[1],
                                                    static.layout_out,
-                                                   x_prologue=activations.GELU, keep_x=keep_h)
+                                                   x_prologue=activations.GELU, keep_x=keep)
   if residual is not None:
     y = x + y
   kept = h
-  if keep_h:
+  if keep:
     # h's FP8 copy is tied to the output, then named (so a remat policy keeps the copy,
     # not the barrier): else, where the copy is made in jnp, XLA moves the quantization
     # into the backward beside its one reader and keeps h in bf16 until then (2 bytes
     # per d_ff element instead of 1.03).
-    codes, descales = kept_h
-    (codes, descales), y = jax.lax.optimization_barrier(
-        ((codes.reshape(h.shape), descales.reshape(*h.shape[:-1], -1)), y))
-    kept = saved_activations.SavedFp8(*saved_activations.named(codes, descales, "gelu"))
+    kept_h, y = jax.lax.optimization_barrier((kept_h, y))
+    kept = saved_activations.from_cast(kept_h, h.shape, "gelu")
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   outputs = (y, amaxes_unbatched_like(meta_in, new_in), amaxes_unbatched_like(meta_out, new_out))
   return outputs, (residuals_in, residuals_out, kept, norm_residuals)

@@ -41,7 +41,7 @@ from fp8jax.core.validation import check_floating
 from fp8jax.mesh import explicit as explicit_mesh
 from fp8jax.mesh.axes import varying_axes
 from fp8jax.ops import rms_norm as norm_math
-from fp8jax.ops import stacked_weights, weight_reuse
+from fp8jax.ops import saved_activations, stacked_weights, weight_reuse
 from fp8jax.ops.dot import (MatrixLayout, fp8_dot_general, matrix_bwd, matrix_fwd,
                             matrix_layout, prologue_path)
 from fp8jax.ops.guards import check_threaded, refuse_split_state, reverse_mode_only
@@ -133,16 +133,20 @@ class Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _norm_dense(x, scale, kernel, meta, reused, static):
-  return forward(x, scale, kernel, meta, reused, static)[0]
+  return forward(x, scale, kernel, meta, reused, static, differentiated=False)[0]
 
 
-def forward(x, scale, kernel, meta, reused, static):
-  """`_norm_dense`'s forward: ((y, the new meta), residuals)."""
+def forward(x, scale, kernel, meta, reused, static, differentiated=True):
+  """`_norm_dense`'s forward: ((y, the new meta), residuals). With `save_fp8` (and
+  `differentiated`: a backward will read the residuals) the cast also writes the norm's
+  FP8 copy for the backward, in its one pass over x."""
   r, prologue_inputs = normalizing_prologue(x, scale, static.eps)
-  y, new_meta, residuals, _ = matrix_fwd(x, kernel, meta, reused, static.layout,
-                                         x_prologue=activations.RMS_NORM,
-                                         x_prologue_inputs=prologue_inputs)
-  kept = norm_math.kept_for_backward(x, r, static.save_fp8)
+  keep = static.save_fp8 and differentiated
+  y, new_meta, residuals, kept = matrix_fwd(x, kernel, meta, reused, static.layout,
+                                            x_prologue=activations.RMS_NORM,
+                                            x_prologue_inputs=prologue_inputs, keep_x=keep)
+  kept = (saved_activations.from_cast(kept, x.shape, "norm") if keep
+          else norm_math.kept_for_backward(x, r, static.save_fp8))
   # Under jax.vmap with one state: the whole batch's amaxes (as fp8_dot_general).
   return (y, amaxes_unbatched_like(meta, new_meta)), (residuals, kept, r, scale)
 

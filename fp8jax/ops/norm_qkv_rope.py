@@ -105,11 +105,12 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _norm_qkv_rope(x, scale, kernel, meta, reused, static):
-  return _forward(x, scale, kernel, meta, reused, static)[0]
+  return _forward(x, scale, kernel, meta, reused, static, differentiated=False)[0]
 
 
-def _forward(x, scale, kernel, meta, reused, static):
-  (y, new_meta), residuals = norm_dense.forward(x, scale, kernel, meta, reused, static.norm_dense)
+def _forward(x, scale, kernel, meta, reused, static, differentiated=True):
+  (y, new_meta), residuals = norm_dense.forward(x, scale, kernel, meta, reused, static.norm_dense,
+                                                differentiated)
   return (split_qkv_rope(y, static.rope_base), new_meta), residuals
 
 
