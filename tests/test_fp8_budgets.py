@@ -387,6 +387,23 @@ def test_the_demo_gpt_s_current_scaling_block_launches_delayed_scaling_s_kernels
 
 
 @pytest.mark.filterwarnings("ignore:fp8jax attention uses")
+def test_the_demo_gpt_s_block_keeps_its_activations_in_fp8_without_a_kernel_or_byte_more():
+  """FP8 saved activations cost a block of the FP8 GPT (delayed scaling) no launch and no
+  byte: the casts that read the norms' and the GELU's inputs write their FP8 copies in the
+  same pass, and the GELU's backward cast reads its copy's codes (before, a block launched
+  a reduction and a quantization of each of the three inputs, and restored the GELU's
+  input in bf16 for its backward)."""
+  # Three blocks, the rest of the step the same but the final norm's copy (made by the
+  # norm itself): 158 launches against 162 keeping bf16 (before, 190), 59.0 MB moved
+  # against 60.6 (before, 63.5).
+  keeping_bf16 = _demo_gpt_step_report(3, DELAYED)
+  keeping_fp8 = _demo_gpt_step_report(3, DELAYED, saved_activations="fp8")
+  assert keeping_fp8.non_gemm_launches <= keeping_bf16.non_gemm_launches, (
+      keeping_fp8.non_gemm_launches, keeping_bf16.non_gemm_launches)
+  assert keeping_fp8.bytes <= keeping_bf16.bytes, (keeping_fp8.bytes, keeping_bf16.bytes)
+
+
+@pytest.mark.filterwarnings("ignore:fp8jax attention uses")
 def test_the_demo_gpt_s_donated_stacked_state_is_updated_where_it_was_without_a_copy():
   """The demo's train step donates its FP8 state, stacked over the layers. JAX prunes
   the arrays a step never reads from its parameters (the scale_invs of attention's
