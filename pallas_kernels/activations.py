@@ -52,7 +52,11 @@ def gelu_tanh_backward(g: jax.Array, h: jax.Array) -> jax.Array:
 def per_group(values: jax.Array, columns: int) -> jax.Array:
   """One value per row and group of `GROUP_COLUMNS` columns, [R, ceil(C / GROUP_COLUMNS)],
   as the [R, columns] it covers; a cast kernel's tile is one group wide and reads the
-  tile's [rows, 1] values, which broadcast as they are."""
+  tile's [rows, 1] values, which broadcast as they are.
+
+  Returns:
+    [R, columns] (or the [R, 1] values as they are).
+  """
   if values.shape[-1] == 1:
     return values
   return jnp.repeat(values, GROUP_COLUMNS, axis=-1)[..., :columns]
@@ -62,7 +66,11 @@ def gelu_tanh_backward_from_fp8(g: jax.Array, codes: jax.Array,
                                 scale_inv: jax.Array) -> jax.Array:
   """`gelu_tanh_backward(g, h)` with h kept in FP8, one power-of-two descale per row and
   group of columns (`fp8jax.ops.saved_activations`): h = codes * scale_inv, exact in
-  float32 (all float32)."""
+  float32 (all float32).
+
+  Returns:
+    dh, float32 of g's shape.
+  """
   return gelu_tanh_backward(g, codes * per_group(scale_inv, codes.shape[-1]))
 
 
@@ -129,7 +137,11 @@ def rms_normalize(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> j
 
 
 def rms_normalized(x: jax.Array, reciprocal_rms: jax.Array, gain: jax.Array) -> jax.Array:
-  """`x r` before the gains, what RMSNorm's backward keeps (`fp8jax.ops.rms_norm`)."""
+  """`x r` before the gains, what RMSNorm's backward keeps (`fp8jax.ops.rms_norm`).
+
+  Returns:
+    float32, x's shape.
+  """
   del gain
   return x * reciprocal_rms
 

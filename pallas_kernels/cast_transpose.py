@@ -603,8 +603,8 @@ def launch(x, scale, amax_in, descale=None, partners=None, accumulator=None, til
            block_sizes, interpret):
   """One jitted launch of the kernel over all tiles of x (`_call`), for this module's
   public functions and those of `cast_transpose_chain` and `cast_transpose_current`.
-  `others`: the further tensors `cast.prologue` reads, each of x's shape, [R, 1] or
-  [1, C]; `valid_rows`:
+  `others`: the further tensors `cast.prologue` reads, each of x's shape, [R, 1], [1, C]
+  or [R, ceil(C / GROUP_COLUMNS)]; `valid_rows`:
   the rows in use (`cast.row_limit`)."""
   return _call(x, scale, amax_in, descale, partners, accumulator, tiles, passed, given,
                others, valid_rows, cast=cast, amax=amax, block_sizes=block_sizes,

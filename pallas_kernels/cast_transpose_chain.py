@@ -99,8 +99,8 @@ def cast_transpose_amax_in_chain(
       of x, its amax included (`pallas_kernels.activations`): the function's result is
       made in the kernel's registers and never written in x's dtype. A rotary prologue
       (`pallas_kernels.rotary_gradient`) makes the qkv gradient [R, 3 C] from x = dq.
-    prologue_inputs: the further tensors the prologue reads, each of x's shape, [R, 1] or
-      [1, C].
+    prologue_inputs: the further tensors the prologue reads, each of x's shape, [R, 1],
+      [1, C] or [R, ceil(C / 128)] (one per row and group of columns).
     valid_rows: as for `cast_transpose_amax` (rows past it read as 0, after the prologue).
     keep_groups: also write x itself, before the prologue (or `prologue.kept`'s value of
       it), as the FP8 copy a backward pass keeps (`ChainedCast.kept`): one pass over x

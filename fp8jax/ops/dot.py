@@ -499,7 +499,8 @@ def matrix_bwd(layout, residuals, g, grad_cotangent, kernel_dtype, g_prologue=No
   """The matrix path's backward: (dx, dk, the grad role's cotangent).
 
   `g_prologue`: the output gradient is `g_prologue.fn(g, *g_prologue_inputs)` (each
-  input of g's shape), made by g's cast (`fp8jax.ops.mlp`); a rotary prologue makes it
+  input of g's shape, or the FP8 copy's descales, one per row and group of 128 columns),
+  made by g's cast (`fp8jax.ops.mlp`); a rotary prologue makes it
   from g = dq and dk, dv, positions, frequencies (`fp8jax.ops.norm_qkv_rope`).
   """
   qx_t, qk, scale_inv_x, scale_inv_k, grad_meta, g_accumulator, grad_packed = residuals

@@ -59,6 +59,7 @@ from jax.custom_batching import custom_vmap
 import pallas_kernels
 from pallas_kernels.activations import Prologue
 from pallas_kernels.cast_transpose_checks import broadcast_kind
+from pallas_kernels.cast_transpose_tiling import GROUP_COLUMNS
 from pallas_kernels.vector_element import VectorElement, element_value
 from fp8jax.core.formats import Fp8Format
 from fp8jax.core.quantize import amax, amax_max, max_by_bits, quantize, scale_from_amax
@@ -387,7 +388,8 @@ def _checked_prologue_inputs(x, prologue: Prologue | None, prologue_inputs) -> t
                      f"{[jnp.shape(t) for t in others]}; the prologue takes "
                      f"{prologue.inputs if prologue is not None else 0}, each of x's shape "
                      f"{jnp.shape(x)}, or [R, 1] (a value per row), [1, C] (per column) or "
-                     "[R, ceil(C / 128)] (per row and group of 128 columns).")
+                     f"[R, ceil(C / {GROUP_COLUMNS})] (per row and group of {GROUP_COLUMNS} "
+                     "columns).")
   return others
 
 

@@ -234,12 +234,12 @@ def _backward(static, residuals, cotangents):
     da, dw_out, grad_out = matrix_bwd(static.layout_out, residuals_out, g,
                                       cotangent_out.grad, static.w_out_dtype)
   # With h kept in FP8 the cast reads its codes and descales: h is never restored in bf16.
-  prologue, h = ((activations.GELU_BACKWARD_FROM_FP8, tuple(kept)) if static.save_fp8
-                 else (activations.GELU_BACKWARD, (kept,)))
+  prologue, prologue_inputs = ((activations.GELU_BACKWARD_FROM_FP8, tuple(kept))
+                               if static.save_fp8 else (activations.GELU_BACKWARD, (kept,)))
   with jax.named_scope("up"):
     dx, dw_in, grad_in = matrix_bwd(static.layout_in, residuals_in, da, cotangent_in.grad,
                                     static.w_in_dtype, g_prologue=prologue,
-                                    g_prologue_inputs=h)
+                                    g_prologue_inputs=prologue_inputs)
   meta_in = amaxes_unbatched_like(cotangent_in,
                                   dataclasses.replace(cotangent_in, grad=grad_in))
   meta_out = amaxes_unbatched_like(cotangent_out,

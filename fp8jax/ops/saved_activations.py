@@ -80,14 +80,15 @@ def save(x: jax.Array, op: str, group: int = GROUP) -> SavedFp8:
 
 def from_cast(kept: tuple, shape: tuple, op: str) -> SavedFp8:
   """The FP8 copy a fused cast wrote of a [..., C] activation of `shape` (`kept`: its codes
-  [M, C] and descales [M, ceil(C / group)] of the activation folded to M rows), as `op`'s
+  [M, C] and descales [M, ceil(C / GROUP)] of the activation folded to M rows), as `op`'s
   `SavedFp8` in the activation's shape, named (see `policy`).
 
   Returns:
-    `SavedFp8` (q [..., C], scale_inv [..., ceil(C / group)]).
+    `SavedFp8` (q [..., C], scale_inv [..., ceil(C / GROUP)]).
   """
   codes, descales = kept
-  return SavedFp8(*named(codes.reshape(shape), descales.reshape(*shape[:-1], -1), op))
+  return SavedFp8(*named(codes.reshape(shape),
+                         descales.reshape(*shape[:-1], descales.shape[-1]), op))
 
 
 def named(q: jax.Array, scale_inv: jax.Array, op: str) -> tuple[jax.Array, jax.Array]:
