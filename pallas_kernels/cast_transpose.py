@@ -521,8 +521,11 @@ def _call(x, scale, amax_in, descale=None, partners=None, accumulator=None, tile
                 for length, vector in zip(amax.passed, passed)]
   keeps = cast is not None and cast.keeps_groups
   if keeps:
-    # A tile is one group, or (C <= its width) the whole row, a group of its own.
-    if rotary is not None or (block[1] != GROUP_COLUMNS and cols > block[1]):
+    # A tile is one group, or (C <= GROUP_COLUMNS and C <= its width) the whole row,
+    # a group of its own; a wider tile over more columns would hold several groups.
+    one_group_per_tile = (block[1] == GROUP_COLUMNS
+                          or cols <= min(block[1], GROUP_COLUMNS))
+    if rotary is not None or not one_group_per_tile:
       raise ValueError(f"keep_groups writes x with one descale per row and group of "
                        f"{GROUP_COLUMNS} columns, a group per tile: pass block_sizes with "
                        f"block_cols={GROUP_COLUMNS} (got {block[1]}), and no rotary prologue.")

@@ -245,12 +245,15 @@ def test_a_cast_narrower_than_a_group_keeps_each_row_as_one_group():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 
-def test_keeping_a_cast_s_input_needs_tiles_one_group_wide():
+@pytest.mark.parametrize("columns, block_cols", [(256, 64), (200, 256), (96, 64)])
+def test_keeping_a_cast_s_input_needs_tiles_one_group_wide(columns, block_cols):
+  """A tile narrower than a group splits it; one wider than a group, over more than a
+  group's columns, would hold several groups under one descale: both are refused."""
   from pallas_kernels import CastTransposeBlockSizes, cast_transpose_amax_in_chain
-  h = jnp.ones((32, 256), jnp.bfloat16)
+  h = jnp.ones((32, columns), jnp.bfloat16)
   with pytest.raises(ValueError, match="block_cols=128"):
     cast_transpose_amax_in_chain(h, jnp.float32(1), None, fp8_dtype=jnp.float8_e4m3fn,
                                  fp8_max=448.0, keep_groups=True, tile_amaxes=True,
                                  block_sizes=CastTransposeBlockSizes(block_rows=16,
-                                                                     block_cols=64),
+                                                                     block_cols=block_cols),
                                  interpret=True)

@@ -87,7 +87,7 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
     raise ValueError(f"outputs={outputs!r}: {unknown} are not among {OUTPUT_KINDS}.")
 
   @functools.lru_cache(maxsize=None)
-  def partitioned_for(ranks: tuple, broadcasts: tuple):
+  def partitioned_for(ranks: tuple, broadcasts: tuple, whole_groups: bool):
     @custom_partitioning
     def partitioned(*operands):
       return tuple(kernel(*operands))
@@ -121,6 +121,14 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
       return _result_shardings(mesh, _divisible_spec(mesh, arg_shapes[0], column_unit),
                                outputs)
 
+    if whole_groups:
+      # t's columns are whole groups (g) of GROUP_COLUMNS (k), and a tensor of one value
+      # per row and group is split as those groups: the propagation keeps a split of t's
+      # columns on them (an independent factor would be gathered), never inside a group.
+      return define_rules(partitioned, partition, infer_sharding_from_operands,
+                          _sharding_rule(ranks, outputs, broadcasts, columns="(g k)",
+                                         groups="g"),
+                          k=GROUP_COLUMNS, need_replication_factors=("k",))
     if heads is None:
       return define_rules(partitioned, partition, infer_sharding_from_operands,
                           _sharding_rule(ranks, outputs, broadcasts))
@@ -135,7 +143,10 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
     scalars = operands[tensors:]
     broadcasts = tuple(_broadcast_kind(jnp.shape(t), jnp.shape(operands[0]))
                        for t in operands[1:tensors])
-    return partitioned_for(tuple(jnp.ndim(s) for s in scalars), broadcasts)(*operands)
+    whole_groups = ("groups" in broadcasts + outputs
+                    and jnp.shape(operands[0])[1] % GROUP_COLUMNS == 0)
+    return partitioned_for(tuple(jnp.ndim(s) for s in scalars), broadcasts,
+                           whole_groups)(*operands)
 
   return call
 
@@ -194,15 +205,18 @@ def _broadcast_spec(t_spec: PartitionSpec, kind: str) -> PartitionSpec:
 
 
 def _sharding_rule(ranks: tuple, outputs, broadcasts: tuple = (), columns: str = "c",
-                   out_columns: str | None = None) -> str:
+                   out_columns: str | None = None, groups: str | None = None) -> str:
   """Shardy's einsum-like rule: t (and each tensor sharded alike) is `r c` (a further
   tensor's axis of length 1 a factor of its own), scalars (operands and outputs) are
   rank 0, each vector operand and output a factor of its own (replicated in `partition`).
-  `columns`, `out_columns`: the factors of t's and of the tensor outputs' columns (`c`)."""
+  `columns`, `out_columns`: the factors of t's and of the tensor outputs' columns (`c`);
+  `groups`: the factor of t's columns that the per-group tensors' columns are (None: a
+  factor of their own each)."""
   c, out = columns, out_columns or columns
   layout = {"same": f"r {out}", "transposed": f"{out} r", "amax": "", "scalar": "",
-            "groups": "r g{i}"}
-  further = {"tile": f"r {c}", "rows": "r o{i}", "columns": "o{i} " + c, "groups": "r o{i}"}
+            "groups": f"r {groups or 'g{i}'}"}
+  further = {"tile": f"r {c}", "rows": "r o{i}", "columns": "o{i} " + c,
+             "groups": f"r {groups or 'o{i}'}"}
   operands = ", ".join([f"r {c}"] + [further[kind].format(i=i)
                                      for i, kind in enumerate(broadcasts)]
                        + [f"v{i}" if rank else "" for i, rank in enumerate(ranks)])
