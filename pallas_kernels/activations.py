@@ -89,7 +89,9 @@ class Prologue:
       (it maps x [R, C] and 4 inputs to [R, 3 C]) and the kernel computes it its own way.
     rotary_dtype: with `rotary`, the gradients' dtype name, which the result is rounded to.
     kept: what a cast that keeps its input for a backward pass (`keep_groups`) keeps:
-      `kept(x, *others)` of float32 tiles, or None to keep x itself.
+      `kept(x, *others)` of float32 tiles, or None to keep x itself. It must map a zero
+      x to zero: a tile's elements past x's edge are zeros, and they enter the amax of
+      the last group, which sets its descale.
   """
 
   fn: Callable[..., jax.Array]

@@ -274,7 +274,8 @@ def cast_in_chain(x: jax.Array, scale: jax.Array, running_amax: jax.Array | None
     prologue, prologue_inputs: cast `prologue.fn(x, *prologue_inputs)` instead of x.
     keep_groups: also return x itself (before the prologue, or `prologue.kept`'s value of
       it) as the FP8 copy a backward pass keeps (`Cast.kept`), written by the same pass
-      over x on a GPU.
+      over x on a GPU. Every row is kept, those past `valid_rows` too (as `save` would
+      keep them): each row is its own groups, so they change no other row's copy.
 
   Returns:
     A `Cast`.

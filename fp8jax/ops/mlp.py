@@ -23,9 +23,12 @@ makes da gelu'(h) from da and h (`fp8jax.ops.fused_kernels.cast_in_chain`'s prol
 two launches and 8 bytes per element of [tokens, F] a step (the 350m GPT: 2.4 ms of its
 step on an H100). Only h is kept for the backward (in x's dtype, or in FP8 with
 `save_fp8=True`, as `fp8jax.ops.gelu`), beside what the two projections keep (and, with a
-norm, what `fp8jax.ops.rms_norm` keeps: x, or n in FP8, and r). Kept in FP8, h is read
-by the output gradient's cast as its codes and descales (`activations.GELU_BACKWARD_FROM_FP8`):
-no bf16 h is restored for it (the 350m GPT: 24 launches and 2.4 GB a step).
+norm, what `fp8jax.ops.rms_norm` keeps: x, or n in FP8, and r). Kept in FP8, h's copy is
+written in the forward by the cast that makes gelu(h) (`keep_groups`, in the same pass
+over h) and read by the output gradient's cast as its codes and descales
+(`activations.GELU_BACKWARD_FROM_FP8`): no other pass makes the copy, and no bf16 h is
+restored for the backward (the 350m GPT: 142 launches and 8.1 GB a step, the two
+together).
 
 With `norm_scale`, x is first RMS-normalized, by the first projection's cast
 (`fp8jax.ops.norm_dense`): the MLP block of a pre-norm transformer, its norm never written

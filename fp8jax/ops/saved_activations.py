@@ -26,7 +26,10 @@ and ".../scale_inv") so a `jax.checkpoint` policy can keep exactly them: `policy
 returns one (optionally offloading them to host memory). A policy cannot change a saved
 value's dtype (it only chooses save, recompute or offload), which is why the ops store
 the FP8 copy themselves, in their custom VJPs (`fp8jax.ops.rms_norm`, `fp8jax.ops.gelu`,
-`fp8jax.fp8_attention(save_output_fp8=True)`).
+`fp8jax.fp8_attention(save_output_fp8=True)`). Where an FP8 cast already reads the
+input (`fp8_mlp`'s GELU, the norm of `fp8_rms_norm_dense` and of the fused qkv
+projection), the cast kernel writes the copy in the same pass (its `keep_groups`,
+the same bits as `save`) and `from_cast` wraps it.
 """
 from __future__ import annotations
 
