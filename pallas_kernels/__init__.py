@@ -11,6 +11,10 @@
   cast of dO (for callers that quantize the whole dO before running on shards);
   `quantize_head_blocks` the E4M3 cast of q, k or v with one current scale per
   `ATTENTION_SCALE_BLOCK` (128) rows of each head, whose descales the FP8 pair also takes.
+* `adam_fp8_update`: Adam's step of a 2-D leaf whose moments are stored in FP8
+  (`fp8jax.optim`) in one pass: the gradient and both stored moments read, the update
+  and both moments stored again written; its stochastic rounding draws
+  `jax.random.uniform`'s numbers in the kernel (`pallas_kernels.threefry`).
 * `cast_transpose_amax`: one pass over a 2-D tensor that writes its FP8 copy, the
   transposed FP8 copy and its amax folded into a running amax (Triton-lowered on GPUs,
   the Pallas interpreter on CPU); `cast_transpose_amax_reference` is its plain-jnp
@@ -58,6 +62,7 @@
   `jax.shard_map` on this JAX (they declare how their outputs vary over its
   mesh axes; `pallas_kernels.varying`).
 """
+from pallas_kernels.adam_fp8 import adam_fp8_update
 from pallas_kernels.cast_transpose import (cast_transpose_amax, cast_transpose_amax_reference,
                                            rows_in_use)
 from pallas_kernels.cast_transpose_chain import (ChainedCast, cast_transpose_amax_in_chain,
@@ -93,6 +98,7 @@ from pallas_kernels.transposed_ragged_matmul import (transposed_ragged_matmul,
                                                      transposed_ragged_matmul_reference)
 
 __all__ = [
+    "adam_fp8_update",
     "BLOCK_SCALED_GEMM_VALIDATED_ON_GPU", "BlockScaledMatmulBlockSizes", "block_scaled_matmul",
     "block_scaled_matmul_reference",
     "CastFromAmax", "CastTransposeBlockSizes", "ChainedCast", "SUPPORTED_HEAD_DIMS", "amax_max",

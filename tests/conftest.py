@@ -166,7 +166,7 @@ def interpreted_kernels(monkeypatch):
   import pallas_kernels
   from fp8jax.ops import fused_kernels
   for name in ("cast_transpose_amax_in_chain", "cast_transpose_from_amax", "close_steps",
-               "running_amax", "cast_transpose_stacked"):
+               "running_amax", "cast_transpose_stacked", "adam_fp8_update"):
     monkeypatch.setattr(pallas_kernels, name,
                         functools.partial(getattr(pallas_kernels, name), interpret=True))
   monkeypatch.setattr(fused_kernels, "choose", lambda args, kernel, reference: kernel(*args))

@@ -5,7 +5,8 @@ this step; the step's update uses the new moments before they are stored, so sto
 error enters the next step only (as COAT, MS-AMP and torchao do). Both moments of every
 leaf with at least `MomentStorage.min_size` elements and two or more dimensions are stored
 as `fp8jax.optim.Fp8Moment` (about 1.06 bytes per element instead of 4: see
-`fp8jax.optim.moment_codec`); smaller leaves (norm gains, biases) stay float32.
+`fp8jax.optim.moment_codec`); smaller leaves (norm gains, biases) stay float32. On a GPU
+a stored leaf's step is one kernel (`fp8jax.optim.fused_adam`), the same numbers.
 
 `adamw` is `optax.adamw`'s chain with this transformation in place of `scale_by_adam`,
 so it composes with `optax.chain`, `optax.inject_hyperparams` (the storage options are one
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 import optax
 from optax._src import numerics
 
+from pallas_kernels.adam_fp8 import AdamHyper, adam_constants
+from fp8jax.optim import fused_adam
 from fp8jax.optim.moment_codec import Fp8Moment, decode, encode
 
 _ROUNDINGS = ("stochastic", "nearest")
@@ -136,6 +139,9 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     return ScaleByAdamFp8State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
                                nu=jax.tree.map(zeros, params))
 
+  hyper = AdamHyper(k_max=float(storage.k_max),
+                    stochastic=storage.second_moment_rounding == "stochastic")
+
   def update_fn(updates, state, params=None):
     del params
     count_inc = numerics.safe_increment(state.count)
@@ -145,21 +151,35 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
     step_key = jax.random.fold_in(jax.random.key(storage.seed), count_inc)
+    constants = adam_constants(b1, b2, eps, eps_root, _bias_correction(b1, count_inc),
+                               _bias_correction(b2, count_inc))
     new_updates, new_mu, new_nu = [], [], []
     for index, (g, mu_stored, nu_stored) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
-      g32 = g.astype(jnp.float32)
-      # optax's order of operations, so that float32 leaves match optax bit for bit.
-      mu = (1 - b1) * g32 + b1 * load(mu_stored, g, f"mu{paths[index]}")
-      nu = (1 - b2) * (g32 ** 2) + b2 * load(nu_stored, g, f"nu{paths[index]}")
-      mu_hat = _bias_corrected(mu, b1, count_inc)
-      if nesterov:
-        mu_hat = (b1 * _bias_corrected(mu, b1, numerics.safe_increment(count_inc))
-                  + (1.0 - b1) * _bias_corrected(g32, b1, count_inc))
-      nu_hat = _bias_corrected(nu, b2, count_inc)
-      new_updates.append((mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)).astype(g.dtype))
-      stochastic = storage.second_moment_rounding == "stochastic"
-      new_mu.append(store(mu, g, None))
-      new_nu.append(store(nu, g, jax.random.fold_in(step_key, index) if stochastic else None))
+      rounding_key = jax.random.fold_in(step_key, index) if hyper.stochastic else None
+
+      def jnp_step(g, mu_stored, nu_stored, where=paths[index], rounding_key=rounding_key):
+        g32 = g.astype(jnp.float32)
+        # optax's order of operations, so that float32 leaves match optax bit for bit.
+        mu = (1 - b1) * g32 + b1 * load(mu_stored, g, f"mu{where}")
+        nu = (1 - b2) * (g32 ** 2) + b2 * load(nu_stored, g, f"nu{where}")
+        mu_hat = _bias_corrected(mu, b1, count_inc)
+        if nesterov:
+          mu_hat = (b1 * _bias_corrected(mu, b1, numerics.safe_increment(count_inc))
+                    + (1.0 - b1) * _bias_corrected(g32, b1, count_inc))
+        nu_hat = _bias_corrected(nu, b2, count_inc)
+        update = (mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)).astype(g.dtype)
+        return update, store(mu, g, None), store(nu, g, rounding_key)
+
+      if storage.stores(g) and fused_adam.fits_the_kernel(g, storage.block, nesterov):
+        # One kernel on a GPU (`fp8jax.optim.fused_adam`), the same numbers as jnp_step.
+        step = fused_adam.adam_step(
+            g, _as_moment(mu_stored, f"mu{paths[index]}"),
+            _as_moment(nu_stored, f"nu{paths[index]}"), constants, rounding_key, hyper,
+            reference=jnp_step)
+      else:
+        step = jnp_step(g, mu_stored, nu_stored)
+      for out, value in zip((new_updates, new_mu, new_nu), step):
+        out.append(value)
     unflatten = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflatten(new_updates), ScaleByAdamFp8State(count=count_inc, mu=unflatten(new_mu),
                                                        nu=unflatten(new_nu))
@@ -167,8 +187,13 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _bias_correction(decay: float, count: jax.Array) -> jax.Array:
+  """1 - decay**count in float32 (optax's)."""
+  return (1 - decay ** count).astype(jnp.float32)
+
+
 def _bias_corrected(moment, decay, count):
-  return moment / (1 - decay ** count).astype(moment.dtype)
+  return moment / _bias_correction(decay, count).astype(moment.dtype)
 
 
 def adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,

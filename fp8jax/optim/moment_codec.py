@@ -43,14 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_kernels.adam_fp8 import (E4M3, E4M3_MAX, K_STEP, LOG2_MAX, TARGET_RATIO_LOG2,
+                                     round_to_e4m3_stochastic)
 from fp8jax.mesh import explicit
-
-E4M3 = jnp.float8_e4m3fn
-_E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
-_LOG2_MAX = math.log2(_E4M3_MAX)
-# The target ratio of a block's largest to smallest code: E4M3's normal range, 448 / 2**-6.
-TARGET_RATIO_LOG2 = _LOG2_MAX + 6.0
-_K_STEP = 16  # k is a multiple of 1/16, as in COAT
 
 
 class Fp8Moment(NamedTuple):
@@ -158,22 +153,22 @@ def encode(x: jax.Array, *, block: int, k_max: float, key: jax.Array | None = No
   log_a = jnp.log2(jnp.where(any_nonzero, smallest, 1.0))
   spread = log_b - log_a
   k = jnp.where(spread > 0,
-                jnp.floor(_K_STEP * TARGET_RATIO_LOG2 / jnp.where(spread > 0, spread, 1.0))
-                / _K_STEP, k_max)
-  k = jnp.clip(k, 1.0 / _K_STEP, k_max)
+                jnp.floor(K_STEP * TARGET_RATIO_LOG2 / jnp.where(spread > 0, spread, 1.0))
+                / K_STEP, k_max)
+  k = jnp.clip(k, 1.0 / K_STEP, k_max)
   center = 0.5 * (log_a + log_b)
-  log_shift = k * (log_b - center) - _LOG2_MAX
+  log_shift = k * (log_b - center) - LOG2_MAX
   log_x = jnp.log2(jnp.where(nonzero, magnitude, 1.0))
   y = jnp.where(nonzero, jnp.exp2(_block_to_group(k, layout)
                                   * (log_x - _block_to_group(center, layout))
                                   - _block_to_group(log_shift, layout)), 0.0)
-  y = jnp.minimum(y, _E4M3_MAX)  # float32 rounding of the exp2 may land a hair above 448
+  y = jnp.minimum(y, E4M3_MAX)  # float32 rounding of the exp2 may land a hair above 448
   if key is None:
     codes = y.astype(E4M3)
   else:
     # Drawn in the leaf's own shape: the bits of an element do not depend on the layout.
     draw = jax.random.uniform(key, x.shape, jnp.float32, out_sharding=_sharding(x))
-    codes = _round_to_e4m3(y, _view(draw, layout))
+    codes = round_to_e4m3_stochastic(y, _view(draw, layout))
   codes = jnp.where(grouped < 0, -codes.astype(jnp.float32), codes.astype(jnp.float32))
   offset = k * center + log_shift
   return Fp8Moment(codes=_unview(codes.astype(E4M3), layout), k=k, offset=offset)
@@ -198,25 +193,3 @@ def _resharded(x: jax.Array, spec) -> jax.Array:
 def _sharding(x: jax.Array):
   """x's sharding where it is part of its type (explicit meshes), else None."""
   return jax.typeof(x).sharding if explicit.is_explicitly_sharded(x) else None
-
-
-def _round_to_e4m3(y: jax.Array, draw: jax.Array) -> jax.Array:
-  """y (float32, 0 <= y <= 448) to E4M3, stochastically: the upper of the two neighbouring
-  codes with probability (y - lower) / (upper - lower), so E[code] = y (`draw`: uniform
-  [0, 1) numbers of y's shape)."""
-  nearest = y.astype(E4M3)
-  bits = jax.lax.bitcast_convert_type(nearest, jnp.uint8).astype(jnp.int32)
-  # Non-negative E4M3 codes are ordered like their bit patterns (0x00 .. 0x7E = 448).
-  above = nearest.astype(jnp.float32) > y
-  lower_bits = jnp.where(above, bits - 1, bits)
-  upper_bits = jnp.minimum(jnp.where(above, bits, bits + 1), 0x7E)
-  lower = _from_bits(jnp.maximum(lower_bits, 0))
-  upper = _from_bits(upper_bits)
-  gap = upper - lower
-  p_up = jnp.where(gap > 0, (y - lower) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  chosen = jnp.where(draw < p_up, upper_bits, jnp.maximum(lower_bits, 0))
-  return jax.lax.bitcast_convert_type(chosen.astype(jnp.uint8), E4M3)
-
-
-def _from_bits(bits: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), E4M3).astype(jnp.float32)
