@@ -6,16 +6,18 @@ leaf's shape and, per row and block of `BLOCK` = 128 columns, an expansion expon
 an offset. One program holds [block_rows, 128]: whole blocks, so it decodes, updates and
 re-encodes its blocks on its own. In XLA the same step is several passes (the float32
 moments written and read again for each block's statistics, then for the encodings: 41
-bytes a parameter, against 12 to 14 here).
+bytes a parameter, against 12 here with a float32 gradient, 8 with a bf16 one).
 
-Numbers: in the Pallas interpreter, bit for bit those of `fp8jax.optim.scale_by_adam_fp8`'s
-jnp form (the same operations in the same order, divisions IEEE on a GPU too; there
-Triton's log2 and exp2 may differ from XLA's in a float32 ulp, which moves a code by one
-step where y lies that close to a rounding boundary); the second
-moment's stochastic rounding draws `jax.random.uniform(key, leaf shape)`'s numbers itself
+Numbers: the jnp form's float32 operations in its order, so the interpreter's agree with
+XLA's to a few float32 ulps (XLA:CPU fuses some multiply-adds of the jnp form into FMAs),
+which moves a code by one step only where y lies that close to a rounding boundary; on a
+GPU Triton's log2 (a log and a division), exp2 and sqrt may differ from XLA's by as much.
+A NaN gradient makes a block's moments meaningless either way, but not the same ones
+(Triton's max and min skip a NaN that XLA's return). The second moment's stochastic
+rounding draws `jax.random.uniform(key, leaf shape)`'s numbers itself
 (`pallas_kernels.threefry`), indexed by each element's place in the whole leaf
-(`position`: where a device's shard starts), so the stored moments do not depend on the
-sharding or the tiles.
+(`LeafPlace`: where a device's shard lies in the leaf, whose rows are all its leading axes),
+so the stored moments do not depend on the sharding or the tiles.
 """
 from __future__ import annotations
 
@@ -132,11 +134,50 @@ def adam_constants(b1, b2, eps, eps_root, correction1, correction2) -> jax.Array
   return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
 
 
+MAX_AXES = 8  # the starts operand's length (a power of two, as Triton's blocks)
+
+
+class LeafPlace(NamedTuple):
+  """Where a kernel's [R, C] array lies in the whole leaf [n_0, ..., n_{d-1}, C], whose
+  random numbers are indexed row-major.
+
+  Attributes:
+    leading: the shard's sizes of the leaf's leading axes (their product is R).
+    strides: the whole leaf's strides of those axes, in elements.
+  The starts of the shard along each axis (the leading ones, then the columns) are an
+  operand, int32[MAX_AXES] (each device's own on a mesh)."""
+
+  leading: tuple[int, ...]
+  strides: tuple[int, ...]
+
+  @classmethod
+  def whole(cls, shape: tuple[int, ...]) -> "LeafPlace":
+    """The place of a whole (unsharded) leaf of `shape`."""
+    strides, stride = [], shape[-1]
+    for size in reversed(shape[:-1]):
+      strides.append(stride)
+      stride *= size
+    return cls(tuple(shape[:-1]), tuple(reversed(strides)))
+
+
+def _flat_index(row, column, starts_ref, place: LeafPlace):
+  """uint32 row-major index in the whole leaf of the shard's element (row, column)."""
+  index = (column + starts_ref[len(place.leading)]).astype(jnp.uint32)
+  rest = row
+  for axis in reversed(range(len(place.leading))):
+    size = place.leading[axis]
+    local = rest % size if axis else rest
+    rest = rest // size
+    index = index + ((local + starts_ref[axis]).astype(jnp.uint32)
+                     * jnp.uint32(place.strides[axis]))
+  return index
+
+
 def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref,
-            nu_offset_ref, constants_ref, key_ref, position_ref,
+            nu_offset_ref, constants_ref, key_ref, starts_ref,
             update_ref, new_mu_codes_ref, new_mu_k_ref, new_mu_offset_ref,
             new_nu_codes_ref, new_nu_k_ref, new_nu_offset_ref, *,
-            hyper: AdamHyper, shape: tuple[int, int], whole_columns: int, block_rows: int,
+            hyper: AdamHyper, shape: tuple[int, int], place: LeafPlace, block_rows: int,
             interpret: bool):
   rows, columns = shape
   row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
@@ -165,9 +206,8 @@ def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref
   draw = None
   if hyper.stochastic:
     # The element's flat index in the whole leaf: jax.random.uniform's counter.
-    index = ((row + position_ref[0]).astype(jnp.uint32) * jnp.uint32(whole_columns)
-             + (column + position_ref[1]).astype(jnp.uint32))
-    draw = threefry.uniform((key_ref[0], key_ref[1]), index)
+    draw = threefry.uniform((key_ref[0], key_ref[1]),
+                            _flat_index(row, column, starts_ref, place))
   for moment, rounding, codes_ref, k_ref, offset_ref in (
       (mu, None, new_mu_codes_ref, new_mu_k_ref, new_mu_offset_ref),
       (nu, draw, new_nu_codes_ref, new_nu_k_ref, new_nu_offset_ref)):
@@ -178,8 +218,8 @@ def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref
 
 
 def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
-                    constants: jax.Array, key_words: jax.Array, position: jax.Array, *,
-                    hyper: AdamHyper, whole_columns: int | None = None, block_rows: int = 32,
+                    constants: jax.Array, key_words: jax.Array, starts: jax.Array, *,
+                    hyper: AdamHyper, place: LeafPlace | None = None, block_rows: int = 32,
                     num_warps: int = 4, interpret: bool = False
                     ) -> tuple[jax.Array, StoredMoment, StoredMoment]:
   """One Adam step of a 2-D leaf whose moments are stored in FP8, in one pass.
@@ -190,10 +230,11 @@ def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
     constants: float32[8], the step's numbers (`adam_constants`).
     key_words: uint32[2], the key of the second moment's stochastic rounding (unused
       without `hyper.stochastic`).
-    position: int32[2], the row and column of the whole leaf where `g` starts (0, 0
-      unsharded).
+    starts: int32[MAX_AXES], where the shard starts along each axis of the leaf (its
+      leading axes, then its columns; zeros unsharded).
     hyper: the update's static options.
-    whole_columns: the whole leaf's columns (C unsharded; the default).
+    place: the shard's place in the leaf (`LeafPlace.whole(g.shape)`, the default: g is
+      the whole leaf).
     block_rows, num_warps: the tiles' rows and each program's warps.
     interpret: run in the Pallas interpreter (CPU).
 
@@ -210,7 +251,9 @@ def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
           f"(one per row and block of {BLOCK} columns) go with g {g.shape}; got codes "
           f"{moment.codes.dtype} {moment.codes.shape}, k {moment.k.shape}, offset "
           f"{moment.offset.shape}.")
-  whole_columns = columns if whole_columns is None else whole_columns
+  place = LeafPlace.whole(g.shape) if place is None else place
+  if math.prod(place.leading) != rows:
+    raise ValueError(f"place.leading={place.leading} must multiply to g's rows {rows}.")
   tile_spec = pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j))
   row_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, j))
   whole = lambda length: pl.BlockSpec((length,), lambda i, j: (0,))
@@ -218,11 +261,11 @@ def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
   codes = jax.ShapeDtypeStruct((rows, columns), E4M3)
   outs = pl.pallas_call(
       functools.partial(_kernel, hyper=hyper, shape=(rows, columns),
-                        whole_columns=whole_columns, block_rows=block_rows,
+                        place=place, block_rows=block_rows,
                         interpret=interpret),
       grid=(pl.cdiv(rows, block_rows), blocks),
       in_specs=[tile_spec, tile_spec, row_spec, row_spec, tile_spec, row_spec, row_spec,
-                whole(len(CONSTANTS)), whole(2), whole(2)],
+                whole(len(CONSTANTS)), whole(2), whole(MAX_AXES)],
       out_specs=[tile_spec, tile_spec, row_spec, row_spec, tile_spec, row_spec, row_spec],
       out_shape=[jax.ShapeDtypeStruct(g.shape, g.dtype), codes, per_block, per_block,
                  codes, per_block, per_block],
@@ -234,6 +277,6 @@ def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
       interpret=interpret,
       name="adam_fp8_update",
   )(g, *mu, *nu, constants.astype(jnp.float32), key_words.astype(jnp.uint32),
-    position.astype(jnp.int32))
+    starts.astype(jnp.int32))
   update, *moments = outs
   return update, StoredMoment(*moments[:3]), StoredMoment(*moments[3:])

@@ -61,8 +61,7 @@ OUTPUT_KINDS = ("same", "transposed", "amax", "scalar", "tiles", "vector", "grou
 
 
 def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
-                row_limit: int | None = None, heads: tuple[int, int] | None = None,
-                position: int | None = None) -> Callable:
+                row_limit: int | None = None, heads: tuple[int, int] | None = None) -> Callable:
   """`kernel(t, *scalars) -> tuple of outputs`, run by each device on its shard of `t`.
 
   Args:
@@ -81,14 +80,14 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
       t's columns are H heads of D features and the "same" and "transposed" outputs'
       columns each head's q, k and v (3 D): their columns split as t's, by whole heads
       (a split the heads do not divide is gathered first).
-    position: the position among `scalars` of an int32[2], the (row, column) of the whole
-      `t` where the kernel's `t` starts ((0, 0)), or None. Each device's kernel gets
-      where its own shard starts.
   """
   outputs = tuple(outputs)
   unknown = [kind for kind in outputs if kind not in OUTPUT_KINDS]
   if unknown:
     raise ValueError(f"outputs={outputs!r}: {unknown} are not among {OUTPUT_KINDS}.")
+  if heads is not None and "groups" in outputs:
+    raise ValueError("heads= and a \"groups\" output split t's columns in different units "
+                     "(whole heads, whole groups); a kernel has one of them.")
 
   @functools.lru_cache(maxsize=None)
   def partitioned_for(ranks: tuple, broadcasts: tuple, whole_groups: bool):
@@ -106,18 +105,12 @@ def shard_local(kernel: Callable, outputs: Sequence[str], tensors: int = 1,
       split_over = tuple(name for entry in t_spec for name in axis_names(entry))
 
       row_axes = axis_names(t_spec[0])
-      column_axes = axis_names(t_spec[1])
 
       def lower_fn(*operands):
-        operands = list(operands)
         if row_limit is not None and row_axes:
+          operands = list(operands)
           at = tensors + row_limit
           operands[at] = operands[at] - jax.lax.axis_index(row_axes) * operands[0].shape[0]
-        if position is not None and (row_axes or column_axes):
-          start = [jax.lax.axis_index(axes) * size if axes else 0
-                   for axes, size in zip((row_axes, column_axes), operands[0].shape)]
-          operands[tensors + position] = operands[tensors + position] + jnp.stack(
-              [jnp.asarray(s, jnp.int32) for s in start])
         return global_amaxes(kernel(*operands), outputs, split_over, result_shape)
 
       replicated = NamedSharding(mesh, PartitionSpec())

@@ -5,7 +5,8 @@
 Both Adam moments of every large leaf are stored as E4M3 codes with a range expansion
 per 1x128 block (`moment_codec`): about 2.1 bytes of optimizer state per parameter
 instead of 8. On a GPU each large leaf's step is one kernel (`fused_adam`,
-`pallas_kernels.adam_fp8`: 12 bytes moved a parameter), with the jnp form's numbers. The
+`pallas_kernels.adam_fp8`: 12 bytes moved a parameter), the jnp form's numbers to float32
+rounding. The
 layer imports optax and, of fp8jax, `fp8jax.mesh` (to read a leaf's sharding on explicit
 meshes, and to run the kernel on each device's shard) and `fp8jax.ops.fused_kernels` (where
 the kernels may run). The state may come back from a container in nodes of its own

@@ -6,7 +6,8 @@ error enters the next step only (as COAT, MS-AMP and torchao do). Both moments o
 leaf with at least `MomentStorage.min_size` elements and two or more dimensions are stored
 as `fp8jax.optim.Fp8Moment` (about 1.06 bytes per element instead of 4: see
 `fp8jax.optim.moment_codec`); smaller leaves (norm gains, biases) stay float32. On a GPU
-a stored leaf's step is one kernel (`fp8jax.optim.fused_adam`), the same numbers.
+a stored leaf's step is one kernel (`fp8jax.optim.fused_adam`), its numbers this form's
+to float32 rounding.
 
 `adamw` is `optax.adamw`'s chain with this transformation in place of `scale_by_adam`,
 so it composes with `optax.chain`, `optax.inject_hyperparams` (the storage options are one
@@ -171,7 +172,8 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         return update, store(mu, g, None), store(nu, g, rounding_key)
 
       if storage.stores(g) and fused_adam.fits_the_kernel(g, storage.block, nesterov):
-        # One kernel on a GPU (`fp8jax.optim.fused_adam`), the same numbers as jnp_step.
+        # One kernel on a GPU (`fp8jax.optim.fused_adam`): jnp_step's numbers to float32
+        # rounding.
         step = fused_adam.adam_step(
             g, _as_moment(mu_stored, f"mu{paths[index]}"),
             _as_moment(nu_stored, f"nu{paths[index]}"), constants, rounding_key, hyper,

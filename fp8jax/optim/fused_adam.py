@@ -4,35 +4,42 @@
 run (`fp8jax.ops.fused_kernels.kernels_allowed`), one kernel reads the gradient and both
 stored moments and writes the update and both moments stored again; in XLA (`reference`,
 the jnp form, everywhere else) the float32 moments are written and read again for the
-blocks' statistics and for each encoding. The two give the same numbers (the kernel's
-module says how). On a mesh each device runs the kernel on its shard
-(`fp8jax.mesh.partitioning.shard_local`; columns split only in whole blocks), told where
-its shard starts so that its stochastic rounding draws the whole leaf's numbers.
+blocks' statistics and for each encoding. The two agree to float32 rounding (the kernel's
+module says how). On a mesh each device runs the kernel on its shard of the leaf, every
+axis split as the leaf is (the columns only in whole 128-column blocks; another split of
+them is gathered), and is told where its shard lies so that its stochastic rounding
+draws the whole leaf's numbers (`jax.experimental.custom_partitioning`).
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels
-from pallas_kernels.adam_fp8 import BLOCK, AdamHyper, StoredMoment
+from pallas_kernels.adam_fp8 import BLOCK, MAX_AXES, AdamHyper, LeafPlace, StoredMoment
 from fp8jax.mesh.axes import inside_shard_map
-from fp8jax.mesh.partitioning import shard_local
+from fp8jax.mesh.partitioning import axis_names, define_rules
 from fp8jax.ops import fused_kernels
 from fp8jax.optim.moment_codec import Fp8Moment
 
 _GRADIENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_OUTPUTS = ("same", "same", "groups", "groups", "same", "groups", "groups")
 
 
 def fits_the_kernel(g: jax.Array, block: int, nesterov: bool) -> bool:
   """Whether the kernel can take this leaf: blocks of its 128 columns, plain Adam
   (Nesterov's update stays jnp), a float gradient, fewer than 2**32 elements (the
-  random numbers' counter) and no shard_map around it (the jnp form runs there)."""
+  random numbers' counter) and axes, no shard_map around it (the jnp form runs there),
+  and JAX's default random bits (threefry, partitionable), which the kernel draws."""
   return (block == BLOCK and not nesterov and jnp.dtype(g.dtype) in _GRADIENT_DTYPES
-          and g.size < 2 ** 32 and not inside_shard_map())
+          and g.size < 2 ** 32 and g.ndim <= MAX_AXES and not inside_shard_map()
+          and jax.config.jax_default_prng_impl == "threefry2x32"
+          and jax.config.jax_threefry_partitionable)
 
 
 def adam_step(g: jax.Array, mu: Fp8Moment, nu: Fp8Moment, constants: jax.Array,
@@ -55,21 +62,10 @@ def adam_step(g: jax.Array, mu: Fp8Moment, nu: Fp8Moment, constants: jax.Array,
                else jnp.zeros((2,), jnp.uint32))
 
   def kernel(g, mu, nu, constants, key_words):
-    columns = g.shape[-1]
-    as_rows = lambda a: a.reshape(-1, a.shape[-1])
-    flat = [as_rows(a) for a in (g, *mu, *nu)]
-
-    def local(g, mu_codes, mu_k, mu_offset, nu_codes, nu_k, nu_offset, constants,
-              key_words, position):
-      update, new_mu, new_nu = pallas_kernels.adam_fp8_update(
-          g, StoredMoment(mu_codes, mu_k, mu_offset), StoredMoment(nu_codes, nu_k, nu_offset),
-          constants, key_words, position, hyper=hyper, whole_columns=columns)
-      return (update, *new_mu, *new_nu)
-
-    results = shard_local(local, _OUTPUTS, tensors=7, position=2)(
-        *flat, constants, key_words, jnp.zeros((2,), jnp.int32))
-    update, *moments = (r.reshape(*like.shape[:-1], r.shape[-1])
-                        for r, like in zip(results, (g, *mu, *nu)))
+    whole_blocks = g.shape[-1] % BLOCK == 0
+    results = _partitioned(hyper, g.ndim, whole_blocks)(
+        g, *mu, *nu, constants, key_words, jnp.zeros((MAX_AXES,), jnp.int32))
+    update, *moments = results
     return update, Fp8Moment(*moments[:3]), Fp8Moment(*moments[3:])
 
   def jnp_step(g, mu, nu, constants, key_words):
@@ -77,3 +73,73 @@ def adam_step(g: jax.Array, mu: Fp8Moment, nu: Fp8Moment, constants: jax.Array,
     return reference(g, mu, nu)
 
   return fused_kernels.choose((g, mu, nu, constants, key_words), kernel, jnp_step)
+
+
+def _local_step(hyper: AdamHyper, whole_shape: tuple[int, ...], g, mu_codes, mu_k,
+                mu_offset, nu_codes, nu_k, nu_offset, constants, key_words, starts):
+  """The kernel on a shard [..., C] of a leaf of `whole_shape` (its rows: the leading axes)."""
+  place = LeafPlace(tuple(g.shape[:-1]), LeafPlace.whole(whole_shape).strides)
+  as_rows = lambda a: a.reshape(-1, a.shape[-1])
+  update, new_mu, new_nu = pallas_kernels.adam_fp8_update(
+      as_rows(g), StoredMoment(*map(as_rows, (mu_codes, mu_k, mu_offset))),
+      StoredMoment(*map(as_rows, (nu_codes, nu_k, nu_offset))), constants, key_words,
+      starts, hyper=hyper, place=place)
+  likes = (g, mu_codes, mu_k, mu_offset, nu_codes, nu_k, nu_offset)
+  return tuple(r.reshape(like.shape) for r, like in zip((update, *new_mu, *new_nu), likes))
+
+
+def _leaf_spec(mesh, shape) -> PartitionSpec:
+  """The leaf's sharding spec, any axis the mesh does not divide evenly (the columns: in
+  whole blocks) unsharded."""
+  spec = getattr(shape.sharding, "spec", None)
+  entries = list(spec or ()) + [None] * (len(shape.shape) - len(spec or ()))
+  for axis, entry in enumerate(entries):
+    ways = math.prod(mesh.shape[name] for name in axis_names(entry))
+    unit = BLOCK if axis == len(entries) - 1 else 1
+    if ways > 1 and shape.shape[axis] % (unit * ways):
+      entries[axis] = None
+  return PartitionSpec(*entries)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(hyper: AdamHyper, ndim: int, whole_blocks: bool) -> Callable:
+  """The kernel over a leaf of `ndim` axes, each device on its shard."""
+
+  @custom_partitioning
+  def step(g, *operands):
+    return _local_step(hyper, g.shape, g, *operands)
+
+  def shardings(mesh, spec):
+    blocks = PartitionSpec(*spec)  # a columns' split in whole blocks splits the blocks
+    tensors = [spec, spec, blocks, blocks, spec, blocks, blocks]
+    return [NamedSharding(mesh, s) for s in tensors]
+
+  def partition(mesh, arg_shapes, result_shape):
+    spec = _leaf_spec(mesh, arg_shapes[0])
+    whole_shape = arg_shapes[0].shape
+
+    def lower_fn(g, *operands):
+      *tensors, constants, key_words, starts = operands
+      local_starts = [jax.lax.axis_index(axis_names(entry)) * size if entry else 0
+                      for entry, size in zip(spec, g.shape)]
+      starts = starts + jnp.stack([jnp.asarray(s, jnp.int32) for s in local_starts]
+                                  + [jnp.int32(0)] * (MAX_AXES - ndim))
+      return _local_step(hyper, whole_shape, g, *tensors, constants, key_words, starts)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    results = tuple(shardings(mesh, spec))
+    return mesh, lower_fn, results, results + (replicated,) * 3
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    return tuple(shardings(mesh, _leaf_spec(mesh, arg_shapes[0])))
+
+  # Shardy: each leading axis a factor of its own, the columns (c) whole blocks (b) of
+  # BLOCK (k) where C is a multiple of it, else replicated with the blocks' axis (o).
+  leading = " ".join(f"a{i}" for i in range(ndim - 1))
+  columns, blocks = ("(b k)", "b") if whole_blocks else ("c", "o")
+  tensor, per_block = f"{leading} {columns}", f"{leading} {blocks}"
+  layout = [tensor, tensor, per_block, per_block, tensor, per_block, per_block]
+  rule = f"{', '.join(layout)}, v0, v1, v2 -> {', '.join(layout)}"
+  options = (dict(k=BLOCK, need_replication_factors=("k",)) if whole_blocks
+             else dict(need_replication_factors=("c", "o")))
+  return define_rules(step, partition, infer_sharding_from_operands, rule, **options)
