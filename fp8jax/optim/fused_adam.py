@@ -6,9 +6,12 @@ stored moments and writes the update and both moments stored again; in XLA (`ref
 the jnp form, everywhere else) the float32 moments are written and read again for the
 blocks' statistics and for each encoding. The two agree to float32 rounding (the kernel's
 module says how). On a mesh each device runs the kernel on its shard of the leaf, every
-axis split as the leaf is (the columns only in whole 128-column blocks; another split of
-them is gathered), and is told where its shard lies so that its stochastic rounding
-draws the whole leaf's numbers (`jax.experimental.custom_partitioning`).
+axis split as the leaf is, and is told where its shard lies so that its stochastic
+rounding draws the whole leaf's numbers (`jax.experimental.custom_partitioning`). The
+columns are split only in whole 128-column blocks: a split that is not (768 columns over
+4 devices) is gathered, gradient and codes, where the jnp form gathers only each block's
+extremes; a width that is a multiple of 128 times the devices splitting it (the GPTs
+from 350m on, over up to 8) moves nothing.
 """
 from __future__ import annotations
 
@@ -62,8 +65,7 @@ def adam_step(g: jax.Array, mu: Fp8Moment, nu: Fp8Moment, constants: jax.Array,
                else jnp.zeros((2,), jnp.uint32))
 
   def kernel(g, mu, nu, constants, key_words):
-    whole_blocks = g.shape[-1] % BLOCK == 0
-    results = _partitioned(hyper, g.ndim, whole_blocks)(
+    results = _partitioned(hyper, g.ndim)(
         g, *mu, *nu, constants, key_words, jnp.zeros((MAX_AXES,), jnp.int32))
     update, *moments = results
     return update, Fp8Moment(*moments[:3]), Fp8Moment(*moments[3:])
@@ -102,7 +104,7 @@ def _leaf_spec(mesh, shape) -> PartitionSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(hyper: AdamHyper, ndim: int, whole_blocks: bool) -> Callable:
+def _partitioned(hyper: AdamHyper, ndim: int) -> Callable:
   """The kernel over a leaf of `ndim` axes, each device on its shard."""
 
   @custom_partitioning
@@ -133,13 +135,14 @@ def _partitioned(hyper: AdamHyper, ndim: int, whole_blocks: bool) -> Callable:
   def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
     return tuple(shardings(mesh, _leaf_spec(mesh, arg_shapes[0])))
 
-  # Shardy: each leading axis a factor of its own, the columns (c) whole blocks (b) of
-  # BLOCK (k) where C is a multiple of it, else replicated with the blocks' axis (o).
+  # Shardy: each leading axis a factor of its own, the columns (c) one and the blocks (o)
+  # another. Tying them ("(b k)", k = BLOCK) would let Shardy split a column split that is
+  # not whole blocks (768 columns over 4 devices) into sub-axes over both, which
+  # custom_partitioning cannot express; `partition` ties them instead (the columns split
+  # only in whole blocks, the blocks as the columns), and XLA reshards the blocks' small
+  # arrays where the propagation chose otherwise.
   leading = " ".join(f"a{i}" for i in range(ndim - 1))
-  columns, blocks = ("(b k)", "b") if whole_blocks else ("c", "o")
-  tensor, per_block = f"{leading} {columns}", f"{leading} {blocks}"
+  tensor, per_block = f"{leading} c", f"{leading} o"
   layout = [tensor, tensor, per_block, per_block, tensor, per_block, per_block]
   rule = f"{', '.join(layout)}, v0, v1, v2 -> {', '.join(layout)}"
-  options = (dict(k=BLOCK, need_replication_factors=("k",)) if whole_blocks
-             else dict(need_replication_factors=("c", "o")))
-  return define_rules(step, partition, infer_sharding_from_operands, rule, **options)
+  return define_rules(step, partition, infer_sharding_from_operands, rule)
