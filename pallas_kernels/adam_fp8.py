@@ -82,20 +82,17 @@ def round_to_e4m3_stochastic(y: jax.Array, draw: jax.Array) -> jax.Array:
 
 
 def decode_block(codes, k, offset, divide):
-  """The float32 moment of codes [..., BLOCK] under their block's k and offset [..., 1]."""
+  """The float32 moment of codes [..., n] (float32) under their block's k and offset
+  (broadcasting with them: [..., 1])."""
   magnitude = jnp.abs(codes)
   log_q = jnp.log2(jnp.where(magnitude > 0, magnitude, 1.0))
   value = jnp.exp2(divide(log_q + offset, k))
   return jnp.where(magnitude > 0, jnp.where(codes < 0, -value, value), 0.0)
 
 
-def encode_block(x, k_max: float, draw, divide):
-  """x float32 [..., BLOCK] (zeros past the leaf's edge) as (codes float32, k, offset),
-  k and offset [..., 1]; stochastic rounding with `draw`, else to nearest."""
-  magnitude = jnp.abs(x)
-  nonzero = magnitude > 0
-  largest = jnp.max(magnitude, axis=-1, keepdims=True)
-  smallest = jnp.min(jnp.where(nonzero, magnitude, jnp.inf), axis=-1, keepdims=True)
+def block_expansion(largest, smallest, k_max: float, divide):
+  """(k, center, log_shift) of blocks whose nonzero magnitudes lie in [smallest, largest]
+  (`fp8jax.optim.moment_codec`'s formulas; largest 0: an all-zero block)."""
   any_nonzero = largest > 0
   log_b = jnp.log2(jnp.where(any_nonzero, largest, 1.0))
   log_a = jnp.log2(jnp.where(any_nonzero, smallest, 1.0))
@@ -105,13 +102,29 @@ def encode_block(x, k_max: float, draw, divide):
                 / K_STEP, k_max)
   k = jnp.clip(k, 1.0 / K_STEP, k_max)
   center = 0.5 * (log_a + log_b)
-  log_shift = k * (log_b - center) - LOG2_MAX
+  return k, center, k * (log_b - center) - LOG2_MAX
+
+
+def expanded_codes(x, k, center, log_shift, draw):
+  """x float32 [..., n] as float32 E4M3 codes (signed) under its block's expansion
+  (broadcasting: [..., 1]); stochastic rounding with `draw`, else to nearest."""
+  magnitude = jnp.abs(x)
+  nonzero = magnitude > 0
   log_x = jnp.log2(jnp.where(nonzero, magnitude, 1.0))
   y = jnp.where(nonzero, jnp.exp2(k * (log_x - center) - log_shift), 0.0)
   y = jnp.minimum(y, E4M3_MAX)  # float32 rounding of the exp2 may land a hair above 448
   codes = y.astype(E4M3) if draw is None else round_to_e4m3_stochastic(y, draw)
-  codes = jnp.where(x < 0, -codes.astype(jnp.float32), codes.astype(jnp.float32))
-  return codes, k, k * center + log_shift
+  return jnp.where(x < 0, -codes.astype(jnp.float32), codes.astype(jnp.float32))
+
+
+def encode_block(x, k_max: float, draw, divide):
+  """x float32 [..., BLOCK] (zeros past the leaf's edge) as (codes float32, k, offset),
+  k and offset [..., 1]; stochastic rounding with `draw`, else to nearest."""
+  magnitude = jnp.abs(x)
+  largest = jnp.max(magnitude, axis=-1, keepdims=True)
+  smallest = jnp.min(jnp.where(magnitude > 0, magnitude, jnp.inf), axis=-1, keepdims=True)
+  k, center, log_shift = block_expansion(largest, smallest, k_max, divide)
+  return expanded_codes(x, k, center, log_shift, draw), k, k * center + log_shift
 
 
 class AdamHyper(NamedTuple):
@@ -184,6 +197,7 @@ def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref
   column = pl.program_id(1) * BLOCK + lax.broadcasted_iota(jnp.int32, (1, BLOCK), 1)
   row_mask = row < rows
   mask = jnp.logical_and(row_mask, column < columns)
+
   def divide(numerator, denominator):
     shape = jnp.broadcast_shapes(jnp.shape(numerator), jnp.shape(denominator))
     return _divide(numerator, jnp.broadcast_to(denominator, shape), interpret)

@@ -112,9 +112,8 @@ def _partitioned(hyper: AdamHyper, ndim: int) -> Callable:
     return _local_step(hyper, g.shape, g, *operands)
 
   def shardings(mesh, spec):
-    blocks = PartitionSpec(*spec)  # a columns' split in whole blocks splits the blocks
-    tensors = [spec, spec, blocks, blocks, spec, blocks, blocks]
-    return [NamedSharding(mesh, s) for s in tensors]
+    # The blocks' arrays split as the tensors: a columns' split in whole blocks splits them.
+    return [NamedSharding(mesh, spec)] * 7
 
   def partition(mesh, arg_shapes, result_shape):
     spec = _leaf_spec(mesh, arg_shapes[0])

@@ -37,14 +37,14 @@ bit for bit, and the bits do not depend on sharding.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.adam_fp8 import (E4M3, E4M3_MAX, K_STEP, LOG2_MAX, TARGET_RATIO_LOG2,
-                                     round_to_e4m3_stochastic)
+from pallas_kernels.adam_fp8 import E4M3, block_expansion, decode_block, expanded_codes
 from fp8jax.mesh import explicit
 
 
@@ -148,28 +148,14 @@ def encode(x: jax.Array, *, block: int, k_max: float, key: jax.Array | None = No
   largest = _group_to_block(jnp.max(magnitude, axis=-1), layout, jnp.max, 0.0)
   smallest = _group_to_block(jnp.min(jnp.where(nonzero, magnitude, jnp.inf), axis=-1),
                              layout, jnp.min, jnp.inf)
-  any_nonzero = largest > 0
-  log_b = jnp.log2(jnp.where(any_nonzero, largest, 1.0))
-  log_a = jnp.log2(jnp.where(any_nonzero, smallest, 1.0))
-  spread = log_b - log_a
-  k = jnp.where(spread > 0,
-                jnp.floor(K_STEP * TARGET_RATIO_LOG2 / jnp.where(spread > 0, spread, 1.0))
-                / K_STEP, k_max)
-  k = jnp.clip(k, 1.0 / K_STEP, k_max)
-  center = 0.5 * (log_a + log_b)
-  log_shift = k * (log_b - center) - LOG2_MAX
-  log_x = jnp.log2(jnp.where(nonzero, magnitude, 1.0))
-  y = jnp.where(nonzero, jnp.exp2(_block_to_group(k, layout)
-                                  * (log_x - _block_to_group(center, layout))
-                                  - _block_to_group(log_shift, layout)), 0.0)
-  y = jnp.minimum(y, E4M3_MAX)  # float32 rounding of the exp2 may land a hair above 448
-  if key is None:
-    codes = y.astype(E4M3)
-  else:
+  k, center, log_shift = block_expansion(largest, smallest, k_max, operator.truediv)
+  draw = None
+  if key is not None:
     # Drawn in the leaf's own shape: the bits of an element do not depend on the layout.
-    draw = jax.random.uniform(key, x.shape, jnp.float32, out_sharding=_sharding(x))
-    codes = round_to_e4m3_stochastic(y, _view(draw, layout))
-  codes = jnp.where(grouped < 0, -codes.astype(jnp.float32), codes.astype(jnp.float32))
+    draw = _view(jax.random.uniform(key, x.shape, jnp.float32, out_sharding=_sharding(x)),
+                 layout)
+  codes = expanded_codes(grouped, *(_block_to_group(a, layout) for a in (k, center, log_shift)),
+                         draw)
   offset = k * center + log_shift
   return Fp8Moment(codes=_unview(codes.astype(E4M3), layout), k=k, offset=offset)
 
@@ -178,11 +164,8 @@ def decode(moment: Fp8Moment, *, block: int) -> jax.Array:
   """The float32 moment an `Fp8Moment` holds."""
   layout = _layout(moment.codes, block)
   codes = _view(moment.codes.astype(jnp.float32), layout)
-  magnitude = jnp.abs(codes)
-  log_q = jnp.log2(jnp.where(magnitude > 0, magnitude, 1.0))
-  value = jnp.exp2((log_q + _block_to_group(moment.offset, layout))
-                   / _block_to_group(moment.k, layout))
-  value = jnp.where(magnitude > 0, jnp.where(codes < 0, -value, value), 0.0)
+  value = decode_block(codes, _block_to_group(moment.k, layout),
+                       _block_to_group(moment.offset, layout), operator.truediv)
   return _unview(value, layout)
 
 
