@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import run_once
+
 import fp8jax
 from fp8jax import deviceless
 from fp8jax.cli import main
@@ -144,7 +146,7 @@ def test_a_stand_in_is_chosen_only_where_the_gpu_would_run_cudnn():
 @pytest.fixture(scope="module")
 def small_gpt():
   """{name: (program, measure(program))}: the small GPT's FP8 steps and bf16 twin, compiled
-  once for an H100 (three deviceless compiles, about 6 s each)."""
+  for an H100 once per test run (three deviceless compiles, about 20 s each)."""
   if _MISSING is not None:
     pytest.skip(str(_MISSING))
   from fp8jax.runs.gpt_program import GptProgram, measure
@@ -154,7 +156,8 @@ def small_gpt():
                         optimizer="adamw_fp8", saved_activations="fp8"),
       "plain_fp8": GptProgram(size="small", batch=8, seq=256, recipe="delayed"),
       "bf16": GptProgram(size="small", batch=8, seq=256, recipe="bf16")}
-  return {name: (program, measure(program)) for name, program in programs.items()}
+  return run_once.shared("small_gpt_memory", lambda _: {
+      name: (program, measure(program)) for name, program in programs.items()})[1]
 
 
 @pytest.mark.hopper

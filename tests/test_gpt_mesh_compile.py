@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import run_once
+
 import fp8jax
 from fp8jax import deviceless
 from fp8jax.lowering.compile import compile_text
@@ -72,8 +74,10 @@ def compiled():
   # Two of the 125m's blocks: every block compiles to the same kernels (the layers are
   # unrolled), and two show that the state and GEMMs of each are its own.
   config = gpt.config_for("125m", seq_len=SEQ, n_layers=2)
-  return config, {label: _compile(config, recipe)
-                  for label, recipe in (("fp8", fp8jax.DelayedScaling()), ("bf16", None))}
+  # Once per test run (the two workers may split this file's tests).
+  return config, run_once.shared("gpt_mesh_compiled", lambda _: {
+      label: _compile(config, recipe)
+      for label, recipe in (("fp8", fp8jax.DelayedScaling()), ("bf16", None))})[1]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,9 @@ def fsdp_compiled():
   from fp8jax.models import gpt
 
   config = gpt.config_for("125m", seq_len=SEQ, n_layers=2, saved_activations="fp8")
-  return config, _compile(config, fp8jax.DelayedScaling(), fsdp=True)
+  return config, run_once.shared(
+      "gpt_mesh_fsdp_compiled",
+      lambda _: _compile(config, fp8jax.DelayedScaling(), fsdp=True))[1]
 
 
 def test_every_projection_gemm_is_cublaslt_fp8(compiled):

@@ -17,6 +17,8 @@ has two grouped matmuls (w_in [4, 128, 512], w_out [4, 512, 128]) of M = 16 x 12
 import jax
 import pytest
 
+import run_once
+
 from fp8jax import deviceless, lowering
 from fp8jax.lowering import ExpertPath, GemmKind
 from fp8jax.runs import gpt_program
@@ -37,11 +39,16 @@ def _program(recipe: str) -> gpt_program.GptProgram:
 def compiled(request):
   """(program, optimized HLO) of the step under `request.param`'s recipe."""
   program = _program(request.param)
+  # Once per test run and recipe: the two workers may split this file's tests.
+  return program, run_once.shared(f"gpt_moe_lowering_{request.param}",
+                                  lambda _: _optimized_hlo(program))[1]
+
+
+def _optimized_hlo(program) -> str:
   step, args = gpt_program.train_step(program)
   with jax.set_mesh(deviceless.h100_mesh(x=1)):
-    hlo = deviceless.compile_for_h100(
+    return deviceless.compile_for_h100(
         step, *args, compiler_options=lowering.CUBLAS_ONLY_OPTIONS).as_text()
-  return program, hlo
 
 
 def _expert_gemm_flops(config) -> int:

@@ -33,6 +33,8 @@ import sys
 import numpy as np
 import pytest
 
+import run_once
+
 from fp8jax import deviceless
 
 _TOOLCHAIN_MISSING = deviceless.deviceless_toolchain_missing()
@@ -128,6 +130,11 @@ def _compile_all() -> None:
 @pytest.fixture(scope="module")
 def compiled():
   """{config name: its PTX and ptxas report} from one deviceless compile subprocess."""
+  # Once per test run: the two workers may split this file's tests.
+  return run_once.shared("hopper_attention_ptx", lambda _: _compile_in_a_subprocess())[1]
+
+
+def _compile_in_a_subprocess():
   repo_root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1",
              PYTHONPATH=os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")])))

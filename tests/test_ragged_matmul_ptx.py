@@ -27,6 +27,8 @@ import sys
 
 import pytest
 
+import run_once
+
 from fp8jax import deviceless
 
 _TOOLCHAIN_MISSING = deviceless.deviceless_toolchain_missing()
@@ -130,6 +132,11 @@ def _compile_all() -> None:
 @pytest.fixture(scope="module")
 def compiled():
   """{config name: facts} from one deviceless compile subprocess."""
+  # Once per test run: the two workers may split this file's tests.
+  return run_once.shared("ragged_matmul_ptx", lambda _: _compile_in_a_subprocess())[1]
+
+
+def _compile_in_a_subprocess():
   repo_root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1",
              MOSAIC_GPU_DUMP_MLIR_PASSES="1",
