@@ -10,9 +10,10 @@ Each variant is `fp8jax train` with the same settings, seed and data but for the
 `examples/results/fp8_memory_3_seeds.json`) holds per variant and seed the final loss (the
 mean training loss over the last 10% of steps) and the last validation loss, the mean over
 seeds, the gap to bf16 of the same seed, whether the variant's mean is within bf16's seed
-spread of bf16's mean (|mean - bf16 mean| <= bf16's max - min over the seeds), and what the
+spread of bf16's mean (|mean - bf16 mean| <= bf16's max - min over the seeds), what the
 variant keeps per token and layer for the backward of the non-GEMM ops and in optimizer
-state per parameter. `--summarize JSON` recomputes those comparisons in a written file.
+state per parameter, and the machine, versions and corpus the runs had (a CPU's numbers
+depend on its processor). `--summarize JSON` recomputes those comparisons in a written file.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def main(argv=None) -> dict:
     return report
 
   from fp8jax.models import gpt
-  from fp8jax.runs import RunConfig, train
+  from fp8jax.runs import RunConfig, machine, train
+  from fp8jax.runs.compare import versions
 
   results = {}
   for name in args.variants:
@@ -111,7 +113,10 @@ def main(argv=None) -> dict:
                      "optimizer_state_bytes_per_parameter": optimizer_bytes(
                          settings.get("optimizer", "adamw"))}
   summarize(results)
-  report = {"size": args.size, "steps": args.steps, "seeds": args.seeds, "variants": results}
+  corpus = json.loads((run_dir / "run.json").read_text())["corpus"]
+  report = {"size": args.size, "steps": args.steps, "seeds": args.seeds, "variants": results,
+            "machine": machine.describe(), "versions": versions(),
+            "corpus": {key: corpus.get(key) for key in ("source", "python_version", "sha256")}}
   pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
   print(f"wrote {args.out}")
   return report

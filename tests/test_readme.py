@@ -273,6 +273,10 @@ def test_memory_guide_table_is_the_recorded_three_seeds():
     assert variant["within_bf16_seed_spread"]
   low, high = record["variants"]["bf16"]["seed_spread"]
   assert f"max - min over the seeds, {high - low:.3f})" in text
+  # The machine the runs had, named where the table is (a CPU's numbers depend on it).
+  from fp8jax.runs import machine
+  assert set(record["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "numpy"}
+  assert f"the machine: a {machine.summary(record['machine'])}" in " ".join(text.split())
 
 
 def test_flax_guide_stack_casts_its_weights_before_the_loop_and_computes_the_same(

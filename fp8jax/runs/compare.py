@@ -87,7 +87,7 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   if settings.get("schedule_steps") == config.steps:
     settings["schedule_steps"] = None  # the default (the run's steps), as a fresh run says
   corpus = json.loads((results["bf16"].out_dir / "run.json").read_text())["corpus"]
-  report = {"config": settings, "runs": runs, "versions": _versions(),
+  report = {"config": settings, "runs": runs, "versions": versions(),
             "machine": machine.describe(),
             "corpus": {key: corpus.get(key) for key in ("source", "python_version", "sha256")}}
   curves = {recipe: [result.out_dir / metrics.FILE] for recipe, result in results.items()}
@@ -102,7 +102,7 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   return report
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
   """The Python version and the installed version of each of `VERSIONED`.
 
   Returns:
