@@ -326,6 +326,9 @@ def _demo_gpt_step_report(layers: int, recipe, **overrides):
   tiny = gpt.config_for("tiny")
   overrides = {key: value for key, value in sorted(overrides.items())
                if getattr(tiny, key) != value}   # a default asked for is the same program
+  if recipe is not None and recipe != type(recipe)():
+    raise ValueError(f"{recipe!r}: the shared reports are named by recipe class, so only a "
+                     "recipe's default settings can be asked for here")
   recipe_name = "bf16" if recipe is None else type(recipe).__name__
   name = "_".join(["demo_gpt", str(layers), recipe_name,
                    *(f"{key}={value}" for key, value in overrides.items())])
