@@ -231,7 +231,7 @@ def test_blackwell_recipe_figures_are_the_recorded_three_seeds():
   walls = record["wall_s"].values()
   assert (f"a {machine.summary(record['machine'])}, {min(walls)}-{max(walls)} s per seed"
           in " ".join(guide.split()))
-  for recipe in ("delayed", "mxfp8_round_up"):  # "differ from bf16's by less than that spread"
+  for recipe in ("delayed", "mxfp8_round_up", "nvfp4"):  # "by less than that spread"
     assert record[f"{recipe}_within_bf16_seed_spread"]
   assert not record["mxfp8_within_bf16_seed_spread"]
   bf16 = [next(r["final_loss"] for r in record["seeds"][s] if r["recipe"] == "bf16")
