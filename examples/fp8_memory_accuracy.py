@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
 
   from fp8jax.models import gpt
   from fp8jax.runs import RunConfig, machine, train
-  from fp8jax.runs.compare import versions
+  from fp8jax.runs.compare import recorded_corpus, versions
 
   results = {}
   for name in args.variants:
@@ -113,10 +113,9 @@ def main(argv=None) -> dict:
                      "optimizer_state_bytes_per_parameter": optimizer_bytes(
                          settings.get("optimizer", "adamw"))}
   summarize(results)
-  corpus = json.loads((run_dir / "run.json").read_text())["corpus"]
   report = {"size": args.size, "steps": args.steps, "seeds": args.seeds, "variants": results,
             "machine": machine.describe(), "versions": versions(),
-            "corpus": {key: corpus.get(key) for key in ("source", "python_version", "sha256")}}
+            "corpus": recorded_corpus(run_dir)}
   pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
   print(f"wrote {args.out}")
   return report

@@ -86,10 +86,8 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   settings = {k: v for k, v in config.to_dict().items() if k != "recipe"}
   if settings.get("schedule_steps") == config.steps:
     settings["schedule_steps"] = None  # the default (the run's steps), as a fresh run says
-  corpus = json.loads((results["bf16"].out_dir / "run.json").read_text())["corpus"]
   report = {"config": settings, "runs": runs, "versions": versions(),
-            "machine": machine.describe(),
-            "corpus": {key: corpus.get(key) for key in ("source", "python_version", "sha256")}}
+            "machine": machine.describe(), "corpus": recorded_corpus(results["bf16"].out_dir)}
   curves = {recipe: [result.out_dir / metrics.FILE] for recipe, result in results.items()}
   written = [plots.loss_curves(curves, out_dir / "compare.png")]
   fp8_runs = [r for r in recipes if r != "bf16"]
@@ -100,6 +98,17 @@ def compare(config: RunConfig, out_dir, recipes=DEFAULT_RECIPES, progress: bool 
   report["files"] = ["compare.json"] + [path.name for path in written if path is not None]
   (out_dir / "compare.json").write_text(json.dumps(metrics.finite(report), indent=1))
   return report
+
+
+def recorded_corpus(run_dir) -> dict:
+  """The corpus a run trained on, as its run.json records it.
+
+  Returns:
+    `{"source": "python-stdlib", "python_version": "3.11.7", "sha256": ...}` (a key the
+    run did not record is None).
+  """
+  corpus = json.loads((pathlib.Path(run_dir) / "run.json").read_text())["corpus"]
+  return {key: corpus.get(key) for key in ("source", "python_version", "sha256")}
 
 
 def versions() -> dict[str, str]:
