@@ -1,12 +1,17 @@
 """Adam's step with FP8 moments in one pass: read g and both stored moments, write the
-update and both moments stored again.
+update and both moments stored again; or, given the parameter too, write the new parameter
+instead of the update (AdamW's decay, the learning rate and optax's `apply_updates` in the
+same pass).
 
 The moments are stored as `fp8jax.optim.moment_codec` stores them: E4M3 codes of the
 leaf's shape and, per row and block of `BLOCK` = 128 columns, an expansion exponent k and
 an offset. One program holds [block_rows, 128]: whole blocks, so it decodes, updates and
 re-encodes its blocks on its own. In XLA the same step is several passes (the float32
 moments written and read again for each block's statistics, then for the encodings: 41
-bytes a parameter, against 12 here with a float32 gradient, 8 with a bf16 one).
+bytes a parameter, against 12 here with a float32 gradient, 8 with a bf16 one). Applied
+to the parameter here, a float32 parameter costs 8 bytes more in this pass and saves the
+pass that adds the update to it (12 bytes: the parameter and the update read, the
+parameter written).
 
 Numbers: the jnp form's float32 operations in its order, so the interpreter's agree with
 XLA's to a few float32 ulps (XLA:CPU fuses some multiply-adds of the jnp form into FMAs),
@@ -149,6 +154,13 @@ def adam_constants(b1, b2, eps, eps_root, correction1, correction2) -> jax.Array
 
 MAX_AXES = 8  # the starts operand's length (a power of two, as Triton's blocks)
 
+# The applied step's float32 numbers, one operand. The gradient is clipped first as
+# `optax.clip_by_global_norm` does (g unchanged if grad_norm < max_grad_norm, else
+# g / grad_norm * max_grad_norm; max_grad_norm inf: never); then new p = p + step_size *
+# (update + weight_decay * p), optax's `add_decayed_weights`, `scale_by_learning_rate`
+# and `apply_updates` in their order (step_size is minus the learning rate).
+APPLIED = ("step_size", "weight_decay", "grad_norm", "max_grad_norm")
+
 
 class LeafPlace(NamedTuple):
   """Where a kernel's [R, C] array lies in the whole leaf [n_0, ..., n_{d-1}, C], whose
@@ -186,12 +198,13 @@ def _flat_index(row, column, starts_ref, place: LeafPlace):
   return index
 
 
-def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref,
-            nu_offset_ref, constants_ref, key_ref, starts_ref,
-            update_ref, new_mu_codes_ref, new_mu_k_ref, new_mu_offset_ref,
-            new_nu_codes_ref, new_nu_k_ref, new_nu_offset_ref, *,
-            hyper: AdamHyper, shape: tuple[int, int], place: LeafPlace, block_rows: int,
-            interpret: bool):
+def _kernel(*refs, hyper: AdamHyper, shape: tuple[int, int], place: LeafPlace,
+            block_rows: int, applies: bool, interpret: bool):
+  inputs = 12 if applies else 10
+  (g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref, nu_offset_ref,
+   constants_ref, key_ref, starts_ref) = refs[:10]
+  (first_ref, new_mu_codes_ref, new_mu_k_ref, new_mu_offset_ref, new_nu_codes_ref,
+   new_nu_k_ref, new_nu_offset_ref) = refs[inputs:]
   rows, columns = shape
   row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
   column = pl.program_id(1) * BLOCK + lax.broadcasted_iota(jnp.int32, (1, BLOCK), 1)
@@ -206,6 +219,11 @@ def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref
   per_row = lambda ref: plgpu.load(ref, mask=row_mask, other=0.0)
 
   g = tile(g_ref)
+  if applies:
+    param_ref, applied_ref = refs[10:12]
+    a = {name: applied_ref[i] for i, name in enumerate(APPLIED)}
+    g = jnp.where(a["grad_norm"] < a["max_grad_norm"], g,
+                  divide(g, a["grad_norm"]) * a["max_grad_norm"])
   c = {name: constants_ref[i] for i, name in enumerate(CONSTANTS)}
   # optax's order of operations, as `fp8jax.optim.scale_by_adam_fp8`.
   mu = c["one_minus_b1"] * g + c["b1"] * decode_block(
@@ -215,7 +233,12 @@ def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref
   mu_hat = divide(mu, c["correction1"])
   nu_hat = divide(nu, c["correction2"])
   update = divide(mu_hat, jnp.sqrt(nu_hat + c["eps_root"]) + c["eps"])
-  store_masked(update_ref, update.astype(update_ref.dtype), mask)
+  if applies:
+    p = tile(param_ref)
+    store_masked(first_ref, (p + a["step_size"] * (update + a["weight_decay"] * p)).astype(
+        first_ref.dtype), mask)
+  else:
+    store_masked(first_ref, update.astype(first_ref.dtype), mask)
 
   draw = None
   if hyper.stochastic:
@@ -233,8 +256,9 @@ def _kernel(g_ref, mu_codes_ref, mu_k_ref, mu_offset_ref, nu_codes_ref, nu_k_ref
 
 def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
                     constants: jax.Array, key_words: jax.Array, starts: jax.Array, *,
-                    hyper: AdamHyper, place: LeafPlace | None = None, block_rows: int = 32,
-                    num_warps: int = 4, interpret: bool = False
+                    hyper: AdamHyper, param: jax.Array | None = None,
+                    applied: jax.Array | None = None, place: LeafPlace | None = None,
+                    block_rows: int = 32, num_warps: int = 4, interpret: bool = False
                     ) -> tuple[jax.Array, StoredMoment, StoredMoment]:
   """One Adam step of a 2-D leaf whose moments are stored in FP8, in one pass.
 
@@ -247,15 +271,26 @@ def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
     starts: int32[MAX_AXES], where the shard starts along each axis of the leaf (its
       leading axes, then its columns; zeros unsharded).
     hyper: the update's static options.
+    param: the parameter [R, C] (float32), or None. Given, the step writes the new
+      parameter over it (`APPLIED`) instead of returning the update.
+    applied: float32[4], `APPLIED`'s numbers; with `param` only.
     place: the shard's place in the leaf (`LeafPlace.whole(g.shape)`, the default: g is
       the whole leaf).
     block_rows, num_warps: the tiles' rows and each program's warps.
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
-    (update [R, C] in g's dtype, the new mu, the new nu).
+    (update [R, C] in g's dtype, or with `param` the new parameter in its dtype, the new
+    mu, the new nu).
   """
   rows, columns = g.shape
+  applies = param is not None
+  if applies != (applied is not None):
+    raise ValueError("param and applied go together: pass both (the step writes the new "
+                     "parameter) or neither (it returns the update).")
+  if applies and (param.shape != g.shape or applied.shape != (len(APPLIED),)):
+    raise ValueError(f"param {param.shape} must have g's shape {g.shape} and applied "
+                     f"{applied.shape} must be ({len(APPLIED)},) {APPLIED}.")
   blocks = pl.cdiv(columns, BLOCK)
   for name, moment in (("mu", mu), ("nu", nu)):
     if (moment.codes.shape != g.shape or moment.codes.dtype != E4M3
@@ -273,24 +308,32 @@ def adam_fp8_update(g: jax.Array, mu: StoredMoment, nu: StoredMoment,
   whole = lambda length: pl.BlockSpec((length,), lambda i, j: (0,))
   per_block = jax.ShapeDtypeStruct((rows, blocks), jnp.float32)
   codes = jax.ShapeDtypeStruct((rows, columns), E4M3)
+  first = param if applies else g
+  # Each moment is written over its stored self, and the new parameter over the old (a
+  # program reads its tiles before it writes them): XLA gives a donated optimizer state's
+  # and parameter's buffers to the new ones without a copy.
+  aliases = {operand: operand for operand in range(1, 7)}
+  operands = [g, *mu, *nu, constants.astype(jnp.float32), key_words.astype(jnp.uint32),
+              starts.astype(jnp.int32)]
+  in_specs = [tile_spec, tile_spec, row_spec, row_spec, tile_spec, row_spec, row_spec,
+              whole(len(CONSTANTS)), whole(2), whole(MAX_AXES)]
+  if applies:
+    aliases[len(operands)] = 0
+    operands += [param, applied.astype(jnp.float32)]
+    in_specs += [tile_spec, whole(len(APPLIED))]
   outs = pl.pallas_call(
       functools.partial(_kernel, hyper=hyper, shape=(rows, columns),
-                        place=place, block_rows=block_rows,
+                        place=place, block_rows=block_rows, applies=applies,
                         interpret=interpret),
       grid=(pl.cdiv(rows, block_rows), blocks),
-      in_specs=[tile_spec, tile_spec, row_spec, row_spec, tile_spec, row_spec, row_spec,
-                whole(len(CONSTANTS)), whole(2), whole(MAX_AXES)],
+      in_specs=in_specs,
       out_specs=[tile_spec, tile_spec, row_spec, row_spec, tile_spec, row_spec, row_spec],
-      out_shape=[jax.ShapeDtypeStruct(g.shape, g.dtype), codes, per_block, per_block,
-                 codes, per_block, per_block],
-      # Each moment is written over its stored self (a program reads its tiles before it
-      # writes them): XLA gives a donated optimizer state's buffers to the new state
-      # without a copy.
-      input_output_aliases={operand: operand for operand in range(1, 7)},
+      out_shape=[jax.ShapeDtypeStruct(first.shape, first.dtype), codes, per_block,
+                 per_block, codes, per_block, per_block],
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="adam_fp8_update",
-  )(g, *mu, *nu, constants.astype(jnp.float32), key_words.astype(jnp.uint32),
-    starts.astype(jnp.int32))
-  update, *moments = outs
-  return update, StoredMoment(*moments[:3]), StoredMoment(*moments[3:])
+  )(*operands)
+  written, *moments = outs
+  return written, StoredMoment(*moments[:3]), StoredMoment(*moments[3:])

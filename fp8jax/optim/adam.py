@@ -17,6 +17,8 @@ arrays that `fp8jax.checkpoint` saves bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
@@ -26,10 +28,13 @@ import optax
 from optax._src import numerics
 
 from pallas_kernels.adam_fp8 import AdamHyper, adam_constants
-from fp8jax.optim import fused_adam
+from fp8jax.optim import apply, fused_adam
 from fp8jax.optim.moment_codec import Fp8Moment, decode, encode
 
 _ROUNDINGS = ("stochastic", "nearest")
+# Each `scale_by_adam_fp8`'s update function -> its steps, which can also apply the update
+# to the parameters (`adamw`'s fused step, `fp8jax.optim.update_and_apply`).
+_STEPS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,19 +148,21 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   hyper = AdamHyper(k_max=float(storage.k_max),
                     stochastic=storage.second_moment_rounding == "stochastic")
 
-  def update_fn(updates, state, params=None):
-    del params
+  def steps(updates, state, applied: _Applied | None):
+    """Each leaf's update (or, `applied`, its new parameter) and the new state."""
     count_inc = numerics.safe_increment(state.count)
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
     leaves = [leaf for _, leaf in paths_and_leaves]
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
+    param_leaves = treedef.flatten_up_to(applied.params) if applied else [None] * len(leaves)
     step_key = jax.random.fold_in(jax.random.key(storage.seed), count_inc)
     constants = adam_constants(b1, b2, eps, eps_root, _bias_correction(b1, count_inc),
                                _bias_correction(b2, count_inc))
-    new_updates, new_mu, new_nu = [], [], []
-    for index, (g, mu_stored, nu_stored) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
+    new_firsts, new_mu, new_nu = [], [], []
+    for index, (g, mu_stored, nu_stored, p) in enumerate(
+        zip(leaves, mu_leaves, nu_leaves, param_leaves)):
       rounding_key = jax.random.fold_in(step_key, index) if hyper.stochastic else None
 
       def jnp_step(g, mu_stored, nu_stored, where=paths[index], rounding_key=rounding_key):
@@ -171,21 +178,49 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         update = (mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)).astype(g.dtype)
         return update, store(mu, g, None), store(nu, g, rounding_key)
 
-      if storage.stores(g) and fused_adam.fits_the_kernel(g, storage.block, nesterov):
+      applies = applied is not None
+      in_kernel = storage.stores(g) and fused_adam.fits_the_kernel(g, storage.block, nesterov)
+      if applies and not (in_kernel and _kernel_applies_to(g, p)):
+        # Clipped, stepped and applied in optax's order; the kernel, if it takes the leaf,
+        # only steps it.
+        decay = applied.decays[index]
+        g = _clipped(g, applied)
+        adam_step = jnp_step
+        if in_kernel:
+          adam_step = functools.partial(
+              fused_adam.adam_step, mu=_as_moment(mu_stored, f"mu{paths[index]}"),
+              nu=_as_moment(nu_stored, f"nu{paths[index]}"), constants=constants,
+              rounding_key=rounding_key, hyper=hyper, reference=jnp_step)
+          step = _applied(adam_step(g), p, applied.step_size, decay)
+        else:
+          step = _applied(jnp_step(g, mu_stored, nu_stored), p, applied.step_size, decay)
+      elif in_kernel:
         # One kernel on a GPU (`fp8jax.optim.fused_adam`): jnp_step's numbers to float32
-        # rounding.
+        # rounding; given the parameter, it clips g first and writes the new parameter.
+        reference, applied_to = jnp_step, None
+        if applies:
+          numbers = (applied.step_size, applied.decays[index], applied.grad_norm,
+                     applied.max_grad_norm)
+          applied_to = (p, jnp.stack([jnp.asarray(n, jnp.float32) for n in numbers]))
+          reference = functools.partial(_clipped_stepped_applied, jnp_step, p, applied,
+                                        applied.decays[index])
         step = fused_adam.adam_step(
             g, _as_moment(mu_stored, f"mu{paths[index]}"),
             _as_moment(nu_stored, f"nu{paths[index]}"), constants, rounding_key, hyper,
-            reference=jnp_step)
+            reference=reference, applied_to=applied_to)
       else:
         step = jnp_step(g, mu_stored, nu_stored)
-      for out, value in zip((new_updates, new_mu, new_nu), step):
+      for out, value in zip((new_firsts, new_mu, new_nu), step):
         out.append(value)
     unflatten = lambda xs: jax.tree.unflatten(treedef, xs)
-    return unflatten(new_updates), ScaleByAdamFp8State(count=count_inc, mu=unflatten(new_mu),
-                                                       nu=unflatten(new_nu))
+    return unflatten(new_firsts), ScaleByAdamFp8State(count=count_inc, mu=unflatten(new_mu),
+                                                      nu=unflatten(new_nu))
 
+  def update_fn(updates, state, params=None):
+    del params
+    return steps(updates, state, applied=None)
+
+  _STEPS[update_fn] = steps
   return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -196,6 +231,51 @@ def _bias_correction(decay: float, count: jax.Array) -> jax.Array:
 
 def _bias_corrected(moment, decay, count):
   return moment / _bias_correction(decay, count).astype(moment.dtype)
+
+
+class _Applied(NamedTuple):
+  """What applying the step to the parameters needs: the parameters, optax's step size
+  (minus the learning rate, float32[]), each leaf's weight decay (a float, 0.0 where the
+  mask leaves a leaf undecayed) in the order of the tree's leaves, and the clipping:
+  the gradient's global norm (float32[]) and the norm it is clipped to (inf: none)."""
+
+  params: Any
+  step_size: jax.Array
+  decays: tuple[float, ...]
+  grad_norm: jax.Array
+  max_grad_norm: float
+
+
+def _clipped(g, applied: _Applied):
+  """optax.clip_by_global_norm's leaf (g itself without clipping)."""
+  if applied.max_grad_norm == float("inf"):
+    return g
+  return jax.lax.select(applied.grad_norm < applied.max_grad_norm, g,
+                        (g / applied.grad_norm.astype(g.dtype)) * applied.max_grad_norm)
+
+
+def _applied(step, p, step_size, decay):
+  """optax's add_decayed_weights, scale_by_learning_rate and apply_updates on a leaf's
+  (update, mu, nu), in their order: (the new parameter, mu, nu)."""
+  update, mu, nu = step
+  update = update + decay * p
+  update = jnp.array(step_size, dtype=update.dtype) * update
+  return jnp.asarray(p + update).astype(jnp.asarray(p).dtype), mu, nu
+
+
+def _clipped_stepped_applied(adam_step, p, applied: _Applied, decay, g, mu_stored,
+                             nu_stored):
+  """The jnp form of the kernel's applied step: clipped, `adam_step`, applied."""
+  return _applied(adam_step(_clipped(g, applied), mu_stored, nu_stored), p,
+                  applied.step_size, decay)
+
+
+def _kernel_applies_to(g, p) -> bool:
+  """Whether the kernel may write the new parameter: float32 gradient and parameter of one
+  shape (other dtypes round between optax's steps, which the kernel does not)."""
+  f32 = jnp.dtype(jnp.float32)
+  return (p is not None and jnp.shape(p) == jnp.shape(g) and jnp.dtype(g.dtype) == f32
+          and jnp.dtype(p.dtype) == f32)
 
 
 def adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
@@ -220,7 +300,8 @@ def adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
 def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: None = None,
           weight_decay: float = 1e-4, mask: Any = None, *, nesterov: bool = False,
-          storage: MomentStorage = MomentStorage()) -> optax.GradientTransformation:
+          storage: MomentStorage = MomentStorage(),
+          max_grad_norm: float | None = None) -> optax.GradientTransformation:
   """`optax.adamw` with FP8 moments: the same parameters in the same order.
 
   Args:
@@ -228,12 +309,61 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
       `optax.adamw`, so `adamw(1e-3, 0.9, 0.95, 1e-8, 0.0, None, 0.1)` binds as there.
     mu_dtype: must be None (the moments' storage is `storage`'s); any other value raises.
     storage: how the moments are stored (`MomentStorage`).
+    max_grad_norm: None, or the gradient is first clipped to this global norm:
+      `chain(optax.clip_by_global_norm(max_grad_norm), adamw(...))`, the same state.
 
   Returns:
     An `optax.GradientTransformation`:
-    `chain(scale_by_adam_fp8, add_decayed_weights, scale_by_learning_rate)`.
+    `chain(scale_by_adam_fp8, add_decayed_weights, scale_by_learning_rate)`, after the
+    clipping if asked for. `fp8jax.optim.update_and_apply` steps it with the parameters
+    written by the same kernel as the moments (on a GPU: 8 bytes a float32 parameter
+    fewer than `tx.update` then `optax.apply_updates`).
   """
-  return optax.chain(
-      scale_by_adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, storage=storage),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate))
+  if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                        and not isinstance(max_grad_norm, bool)
+                                        and max_grad_norm > 0):
+    raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a positive number (the "
+                     "global norm the gradient is clipped to) or None (no clipping).")
+  adam_tx = scale_by_adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                              storage=storage)
+  lr_tx = optax.scale_by_learning_rate(learning_rate)
+  tx = optax.chain(adam_tx, optax.add_decayed_weights(weight_decay, mask), lr_tx)
+  clip_tx = None
+  if max_grad_norm is not None:
+    clip_tx = optax.clip_by_global_norm(max_grad_norm)
+    tx = optax.chain(clip_tx, tx)
+
+  def fused(grads, state, params):
+    """tx's step applied to `params` by the moments' kernel: (new params, new state).
+    The clipping happens in the kernel too: XLA then writes the float32 gradient in the
+    pass that reduces its norm, not in a pass of its own."""
+    clip_state = None
+    if clip_tx is not None:
+      clip_state, state = state  # clip_by_global_norm keeps no state
+    # The norm as optax.clip_by_global_norm takes it (optax.tree.norm since optax 0.2.7).
+    grad_norm = optax.tree.norm(grads) if clip_tx is not None else jnp.zeros((), jnp.float32)
+    adam_state, decay_state, lr_state = state
+    # optax's step size, minus the learning rate of this update (as scale_by_schedule
+    # multiplies it in): the learning-rate transformation applied to a one.
+    step_size, lr_state = lr_tx.update(jnp.ones((), jnp.float32), lr_state)
+    applied = _Applied(params, step_size, _weight_decays(weight_decay, mask, params),
+                       grad_norm, float("inf") if clip_tx is None else float(max_grad_norm))
+    new_params, adam_state = _STEPS[adam_tx.update](grads, adam_state, applied)
+    state = (adam_state, decay_state, lr_state)  # add_decayed_weights keeps no state
+    return new_params, (state if clip_tx is None else (clip_state, state))
+
+  apply.register_fused(tx, fused)
+  return tx
+
+
+def _weight_decays(weight_decay, mask, params) -> tuple:
+  """Each leaf's weight decay in `params`' leaf order (0.0 where `mask` leaves it out,
+  as `optax.add_decayed_weights(weight_decay, mask)` does)."""
+  if mask is None:
+    return (weight_decay,) * len(jax.tree.leaves(params))
+  mask_tree = mask(params) if callable(mask) else mask
+  # A mask may be a prefix of the parameters' tree: each of its flags covers a subtree.
+  # (One that is neither was refused by `tx.init`, as optax.masked's init reads it too.)
+  flags = jax.tree.leaves(jax.tree.map(
+      lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask_tree, params))
+  return tuple(weight_decay if flag else 0.0 for flag in flags)

@@ -47,8 +47,10 @@ def fits_the_kernel(g: jax.Array, block: int, nesterov: bool) -> bool:
 
 def adam_step(g: jax.Array, mu: Fp8Moment, nu: Fp8Moment, constants: jax.Array,
               rounding_key: jax.Array | None, hyper: AdamHyper,
-              reference: Callable) -> tuple[jax.Array, Fp8Moment, Fp8Moment]:
-  """The update and new moments of one leaf: the kernel on a GPU, else `reference`.
+              reference: Callable, applied_to: tuple[jax.Array, jax.Array] | None = None
+              ) -> tuple[jax.Array, Fp8Moment, Fp8Moment]:
+  """The update (or new parameter) and new moments of one leaf: the kernel on a GPU, else
+  `reference`.
 
   Args:
     g: the gradient [..., C] (at least 2-D; `fits_the_kernel`).
@@ -56,38 +58,48 @@ def adam_step(g: jax.Array, mu: Fp8Moment, nu: Fp8Moment, constants: jax.Array,
     constants: float32[8], the step's numbers (`pallas_kernels.adam_fp8.adam_constants`).
     rounding_key: the second moment's stochastic-rounding key (None: to nearest).
     hyper: the step's static options.
-    reference: `reference(g, mu, nu) -> (update, mu, nu)`, the jnp form of the same step.
+    reference: `reference(g, mu, nu) -> (update, mu, nu)`, the jnp form of the same step
+      (with `applied_to`: `(new parameter, mu, nu)`).
+    applied_to: None, or (the float32 parameter of g's shape, float32[4]
+      `pallas_kernels.adam_fp8.APPLIED`): the kernel clips g, then writes the new
+      parameter over the old.
 
   Returns:
-    (the update in g's dtype, the new mu, the new nu).
+    (the update in g's dtype, or with `applied_to` the new parameter, the new mu, the
+    new nu).
   """
   key_words = (jax.random.key_data(rounding_key) if rounding_key is not None
                else jnp.zeros((2,), jnp.uint32))
+  applies = applied_to is not None
+  extra = tuple(applied_to) if applies else ()
 
-  def kernel(g, mu, nu, constants, key_words):
-    results = _partitioned(hyper, g.ndim)(
-        g, *mu, *nu, constants, key_words, jnp.zeros((MAX_AXES,), jnp.int32))
-    update, *moments = results
-    return update, Fp8Moment(*moments[:3]), Fp8Moment(*moments[3:])
+  def kernel(g, mu, nu, constants, key_words, *extra):
+    results = _partitioned(hyper, g.ndim, applies)(
+        g, *mu, *nu, constants, key_words, jnp.zeros((MAX_AXES,), jnp.int32), *extra)
+    written, *moments = results
+    return written, Fp8Moment(*moments[:3]), Fp8Moment(*moments[3:])
 
-  def jnp_step(g, mu, nu, constants, key_words):
-    del constants, key_words  # the reference makes its own
+  def jnp_step(g, mu, nu, constants, key_words, *extra):
+    del constants, key_words, extra  # the reference makes its own
     return reference(g, mu, nu)
 
-  return fused_kernels.choose((g, mu, nu, constants, key_words), kernel, jnp_step)
+  return fused_kernels.choose((g, mu, nu, constants, key_words, *extra), kernel, jnp_step)
 
 
 def _local_step(hyper: AdamHyper, whole_shape: tuple[int, ...], g, mu_codes, mu_k,
-                mu_offset, nu_codes, nu_k, nu_offset, constants, key_words, starts):
+                mu_offset, nu_codes, nu_k, nu_offset, constants, key_words, starts,
+                *applied_to):
   """The kernel on a shard [..., C] of a leaf of `whole_shape` (its rows: the leading axes)."""
   place = LeafPlace(tuple(g.shape[:-1]), LeafPlace.whole(whole_shape).strides)
   as_rows = lambda a: a.reshape(-1, a.shape[-1])
-  update, new_mu, new_nu = pallas_kernels.adam_fp8_update(
+  param, applied = applied_to if applied_to else (None, None)
+  written, new_mu, new_nu = pallas_kernels.adam_fp8_update(
       as_rows(g), StoredMoment(*map(as_rows, (mu_codes, mu_k, mu_offset))),
       StoredMoment(*map(as_rows, (nu_codes, nu_k, nu_offset))), constants, key_words,
-      starts, hyper=hyper, place=place)
+      starts, hyper=hyper, param=None if param is None else as_rows(param),
+      applied=applied, place=place)
   likes = (g, mu_codes, mu_k, mu_offset, nu_codes, nu_k, nu_offset)
-  return tuple(r.reshape(like.shape) for r, like in zip((update, *new_mu, *new_nu), likes))
+  return tuple(r.reshape(like.shape) for r, like in zip((written, *new_mu, *new_nu), likes))
 
 
 def _leaf_spec(mesh, shape) -> PartitionSpec:
@@ -104,8 +116,9 @@ def _leaf_spec(mesh, shape) -> PartitionSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(hyper: AdamHyper, ndim: int) -> Callable:
-  """The kernel over a leaf of `ndim` axes, each device on its shard."""
+def _partitioned(hyper: AdamHyper, ndim: int, applies: bool) -> Callable:
+  """The kernel over a leaf of `ndim` axes, each device on its shard (`applies`: also given
+  the parameter, split as the leaf, and the applied step's numbers, replicated)."""
 
   @custom_partitioning
   def step(g, *operands):
@@ -120,16 +133,19 @@ def _partitioned(hyper: AdamHyper, ndim: int) -> Callable:
     whole_shape = arg_shapes[0].shape
 
     def lower_fn(g, *operands):
-      *tensors, constants, key_words, starts = operands
+      tensors, (constants, key_words, starts), applied_to = (
+          operands[:6], operands[6:9], operands[9:])
       local_starts = [jax.lax.axis_index(axis_names(entry)) * size if entry else 0
                       for entry, size in zip(spec, g.shape)]
       starts = starts + jnp.stack([jnp.asarray(s, jnp.int32) for s in local_starts]
                                   + [jnp.int32(0)] * (MAX_AXES - ndim))
-      return _local_step(hyper, whole_shape, g, *tensors, constants, key_words, starts)
+      return _local_step(hyper, whole_shape, g, *tensors, constants, key_words, starts,
+                         *applied_to)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     results = tuple(shardings(mesh, spec))
-    return mesh, lower_fn, results, results + (replicated,) * 3
+    applied_args = (results[0], replicated) if applies else ()
+    return mesh, lower_fn, results, results + (replicated,) * 3 + applied_args
 
   def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
     return tuple(shardings(mesh, _leaf_spec(mesh, arg_shapes[0])))
@@ -143,5 +159,6 @@ def _partitioned(hyper: AdamHyper, ndim: int) -> Callable:
   leading = " ".join(f"a{i}" for i in range(ndim - 1))
   tensor, per_block = f"{leading} c", f"{leading} o"
   layout = [tensor, tensor, per_block, per_block, tensor, per_block, per_block]
-  rule = f"{', '.join(layout)}, v0, v1, v2 -> {', '.join(layout)}"
+  operands = layout + ["v0", "v1", "v2"] + ([tensor, "v3"] if applies else [])
+  rule = f"{', '.join(operands)} -> {', '.join(layout)}"
   return define_rules(step, partition, infer_sharding_from_operands, rule)

@@ -83,10 +83,14 @@ def _build(recipe, model_settings, lr, warmup_steps, weight_decay, schedule_leng
 
 def make_optimizer(name: str, learning_rate, weight_decay: float) -> optax.GradientTransformation:
   """The demo's optimizer: global-norm clipping to 1, then AdamW (b2 0.95) with float32
-  moments ("adamw", optax) or FP8 moments ("adamw_fp8", `fp8jax.optim.adamw`)."""
-  adamw = {"adamw": optax.adamw, "adamw_fp8": fp8jax.optim.adamw}[name]
+  moments ("adamw", optax) or FP8 moments ("adamw_fp8", `fp8jax.optim.adamw`, whose
+  kernel also writes the new parameters under `fp8jax.optim.update_and_apply`). Either
+  state is `(clip's, AdamW's)`."""
+  if name == "adamw_fp8":
+    return fp8jax.optim.adamw(learning_rate, b2=0.95, weight_decay=weight_decay,
+                              max_grad_norm=1.0)
   return optax.chain(optax.clip_by_global_norm(1.0),
-                     adamw(learning_rate, b2=0.95, weight_decay=weight_decay))
+                     optax.adamw(learning_rate, b2=0.95, weight_decay=weight_decay))
 
 
 def init_state(model, tx: optax.GradientTransformation, config: RunConfig):
@@ -153,11 +157,11 @@ def train_step_for(model, tx: optax.GradientTransformation, fp8: bool) -> Callab
   def train_step(params, opt_state, fp8_state, tokens):
     (_, (loss, aux)), grads, fp8_state = fp8jax.value_and_grad(loss_fn, has_aux=True)(
         params, fp8_state, tokens)
-    updates, opt_state = tx.update(grads, opt_state, params)
     stats = {"grad_norm": _global_norm(grads)}
     if aux is not None:
       stats["aux_loss"] = aux
-    return optax.apply_updates(params, updates), opt_state, fp8_state, loss, stats
+    params, opt_state = fp8jax.optim.update_and_apply(tx, grads, opt_state, params)
+    return params, opt_state, fp8_state, loss, stats
 
   return train_step
 

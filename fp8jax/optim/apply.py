@@ -1,0 +1,47 @@
+"""`update_and_apply`: an optimizer's step written into the parameters.
+
+    params, opt_state = fp8jax.optim.update_and_apply(tx, grads, opt_state, params)
+
+is `tx.update(grads, opt_state, params)` then `optax.apply_updates`, for any optax
+transformation. For `fp8jax.optim.adamw` on a GPU the kernel that steps each large
+leaf's FP8 moments also writes its new parameter (AdamW's decay, the learning rate and
+the addition in the same pass): the update is never written, nor read again by a pass
+of its own (8 bytes fewer a float32 parameter; the 350m demo GPT's step 1.0 ms faster on
+an H100, `fp8jax cost`). The numbers are `tx.update` and `optax.apply_updates`' to float32
+rounding on a GPU, and theirs exactly where the jnp form runs (CPU).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import optax
+
+# A transformation's update function -> its fused step `(grads, state, params) -> (new
+# params, new state)`. Keyed weakly: a transformation dropped takes its entry with it.
+_FUSED: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+
+
+def register_fused(tx: optax.GradientTransformation, fused: Callable) -> None:
+  """`update_and_apply(tx, ...)` runs `fused(grads, state, params) -> (params, state)`,
+  which must give `tx.update` then `optax.apply_updates`' results."""
+  _FUSED[tx.update] = fused
+
+
+def update_and_apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
+                     params: Any) -> tuple[Any, Any]:
+  """One optimizer step applied to the parameters.
+
+  Args:
+    tx: an optax transformation (`fp8jax.optim.adamw`'s, or any other).
+    grads, opt_state, params: as for `tx.update(grads, opt_state, params)`.
+
+  Returns:
+    (the new params, the new optimizer state): `optax.apply_updates(params, updates)`
+    and the state `tx.update` returns.
+  """
+  fused = _FUSED.get(getattr(tx, "update", None))
+  if fused is not None:
+    return fused(grads, opt_state, params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
