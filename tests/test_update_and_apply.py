@@ -214,3 +214,34 @@ def test_h100_step_writes_the_parameter_in_the_moments_kernel_and_moves_8_bytes_
   big = [k for k in fused.kernels if k.bytes_in + k.bytes_out >= np.prod(shape)]
   assert len(big) == 2, fused.table()  # the norm's pass (writing the gradient) and the kernel
   assert unfused.bytes - fused.bytes >= 8 * np.prod(shape), (fused.table(), unfused.table())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_kernel_writing_the_parameters_steps_as_xla_runs_the_jnp_step(
+    hopper_device):
+  """Four clipped steps on a Hopper GPU, the kernel against XLA's jnp form
+  (`fused_kernels(False)`) from the same state and parameters each step: Triton's and
+  XLA's log2 and exp2 may differ in a float32 ulp, which moves a code only where y lies
+  that close to a rounding boundary (a few in 10**4 at most, by one step), and the
+  direction with it; the parameter moves by lr (1e-3) times the direction, so a
+  parameter differs by far less than lr * 1e-3 on average."""
+  from fp8jax.ops import fused_kernels
+  params, grads = _problem(5)
+  tx = optim.adamw(1e-3, weight_decay=0.1, max_grad_norm=1.0,
+                   storage=optim.MomentStorage(min_size=16))
+  put = lambda tree: jax.device_put(tree, hopper_device)
+  # Two functions, so that each jit traces its own program (the flag is read when tracing).
+  kernel_step, jnp_step = _fused_step(tx), _fused_step(tx)
+  state = jax.jit(tx.init)(put(params))
+  for step_grads in grads:
+    with fused_kernels.fused_kernels(False):
+      want_params, want_state = jnp_step(put(step_grads), state, put(params))
+    got_params, got_state = kernel_step(put(step_grads), state, put(params))
+    for moment in ("mu", "nu"):
+      got, want = (np.asarray(getattr(_adam_state(s), moment)["w"].codes).view(np.uint8)
+                   .astype(int) for s in (got_state, want_state))
+      assert np.mean(got != want) < 1e-3 and np.max(np.abs(got - want)) <= 1, moment
+    moved = np.abs(np.asarray(want_params["w"]) - np.asarray(params["w"]))
+    error = np.abs(np.asarray(got_params["w"]) - np.asarray(want_params["w"]))
+    assert np.mean(moved) > 1e-4 and np.mean(error) < 1e-3 * np.mean(moved)
+    state = want_state
