@@ -176,6 +176,10 @@ def compile_for_h100(fn: Callable, *args, compiler_options: dict | None = None,
   options = dict(compiler_options or {})
   if dump_dir is not None:
     options["xla_dump_to"] = dump_dir
+    # A kernel XLA finds in its kernel cache (`--xla_gpu_kernel_cache_file`, if the
+    # caller's XLA_FLAGS set one) is not compiled again, so its PTX would be missing
+    # from the dump: every kernel is compiled here.
+    options.setdefault("xla_gpu_kernel_cache_file", "")
   specs = [a if i in static_argnums else on_h100(a) for i, a in enumerate(args)]
   # Traced under the H100 mesh, the program's kernels are chosen for the H100
   # (`fp8jax.mesh.target`), not for this process's CPU.

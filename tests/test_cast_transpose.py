@@ -404,12 +404,9 @@ requires_toolchain = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSIN
 def _compile_h100(fn, args, dump_dir, donate_argnums=()):
   """Compiles for an H100; returns (optimized HLO, thunk sequence, {kernel: PTX})."""
   dump_dir = str(dump_dir)
-  if donate_argnums:
-    specs = [deviceless.on_h100(a) for a in args]
-    compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*specs).compile(
-        compiler_options={"xla_dump_to": dump_dir})
-  else:
-    compiled = deviceless.compile_for_h100(fn, *args, dump_dir=dump_dir)
+  if donate_argnums:  # a jitted function keeps its donations
+    fn = jax.jit(fn, donate_argnums=donate_argnums)
+  compiled = deviceless.compile_for_h100(fn, *args, dump_dir=dump_dir)
   ptx = {}
   for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
     with open(path) as f:
