@@ -25,6 +25,7 @@ from fp8jax import runs
 from fp8jax.cli import main
 from fp8jax.runs import checkpoints, metrics
 from fp8jax.runs.steps import build, init_state
+from fast_cli import cli_command
 
 checkpoint_dirs = checkpoints.complete
 
@@ -324,9 +325,9 @@ def test_compare_refuses_a_recipe_named_twice_before_training(tmp_path, capsys):
 
 def test_ctrl_c_leaves_the_last_complete_checkpoint_loadable(tmp_path):
   out = tmp_path / "run"
-  command = [sys.executable, "-m", "fp8jax.cli", "train", "--out", str(out), "--recipe",
-             "delayed", "--steps", "100000", "--batch", "4", "--seq", "32", "--checkpoint-every",
-             "3", "--eval-every", "1000"]
+  command = cli_command("train", "--out", str(out), "--recipe", "delayed", "--steps", "100000",
+                        "--batch", "4", "--seq", "32", "--checkpoint-every", "3",
+                        "--eval-every", "1000")
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   deadline = time.monotonic() + 240
