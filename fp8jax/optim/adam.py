@@ -180,36 +180,30 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
       applies = applied is not None
       in_kernel = storage.stores(g) and fused_adam.fits_the_kernel(g, storage.block, nesterov)
-      if applies and not (in_kernel and _kernel_applies_to(g, p)):
-        # Clipped, stepped and applied in optax's order; the kernel, if it takes the leaf,
-        # only steps it.
-        decay = applied.decays[index]
-        g = _clipped(g, applied)
-        adam_step = jnp_step
-        if in_kernel:
-          adam_step = functools.partial(
-              fused_adam.adam_step, mu=_as_moment(mu_stored, f"mu{paths[index]}"),
-              nu=_as_moment(nu_stored, f"nu{paths[index]}"), constants=constants,
-              rounding_key=rounding_key, hyper=hyper, reference=jnp_step)
-          step = _applied(adam_step(g), p, applied.step_size, decay)
-        else:
-          step = _applied(jnp_step(g, mu_stored, nu_stored), p, applied.step_size, decay)
-      elif in_kernel:
-        # One kernel on a GPU (`fp8jax.optim.fused_adam`): jnp_step's numbers to float32
-        # rounding; given the parameter, it clips g first and writes the new parameter.
-        reference, applied_to = jnp_step, None
-        if applies:
-          numbers = (applied.step_size, applied.decays[index], applied.grad_norm,
-                     applied.max_grad_norm)
-          applied_to = (p, jnp.stack([jnp.asarray(n, jnp.float32) for n in numbers]))
-          reference = functools.partial(_clipped_stepped_applied, jnp_step, p, applied,
-                                        applied.decays[index])
+      moments = ((_as_moment(mu_stored, f"mu{paths[index]}"),
+                  _as_moment(nu_stored, f"nu{paths[index]}")) if in_kernel else ())
+      if in_kernel and applies and _kernel_applies_to(g, p):
+        # One kernel on a GPU (`fp8jax.optim.fused_adam`) clips g, steps the moments and
+        # writes the new parameter: the jnp form's numbers to float32 rounding.
+        numbers = (applied.step_size, applied.decays[index], applied.grad_norm,
+                   applied.max_grad_norm)
         step = fused_adam.adam_step(
-            g, _as_moment(mu_stored, f"mu{paths[index]}"),
-            _as_moment(nu_stored, f"nu{paths[index]}"), constants, rounding_key, hyper,
-            reference=reference, applied_to=applied_to)
+            g, *moments, constants, rounding_key, hyper,
+            reference=functools.partial(_clipped_stepped_applied, jnp_step, p, applied,
+                                        applied.decays[index]),
+            applied_to=(p, jnp.stack([jnp.asarray(n, jnp.float32) for n in numbers])))
       else:
-        step = jnp_step(g, mu_stored, nu_stored)
+        # optax's order: clipped, stepped (by the kernel on a GPU where it takes the
+        # leaf: jnp_step's numbers to float32 rounding), applied.
+        if applies:
+          g = _clipped(g, applied)
+        if in_kernel:
+          step = fused_adam.adam_step(g, *moments, constants, rounding_key, hyper,
+                                      reference=jnp_step)
+        else:
+          step = jnp_step(g, mu_stored, nu_stored)
+        if applies:
+          step = _applied(step, p, applied.step_size, applied.decays[index])
       for out, value in zip((new_firsts, new_mu, new_nu), step):
         out.append(value)
     unflatten = lambda xs: jax.tree.unflatten(treedef, xs)
