@@ -43,7 +43,6 @@ def pytest_configure(config):
     # default): the seven files that train the tiny GPT took 3m27s instead of 3m51s.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(run_dir, "jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  _reuse_compiled_gpu_kernels()
   # Every test process has 8 CPU devices, so the mesh tests (multidevice.py) run in the
   # workers beside the others instead of in an 8-device process per file. Set here, after
   # the environment above and before any backend starts; processes the tests start keep
@@ -52,27 +51,6 @@ def pytest_configure(config):
   if not _caller_sets_device_count():
     from multidevice import N_DEVICES
     jax.config.update("jax_num_cpu_devices", N_DEVICES)
-
-
-def _reuse_compiled_gpu_kernels() -> None:
-  """XLA's kernel cache for the deviceless H100 compiles, one file per test worker.
-
-  About a third of a deviceless compile of the tiny demo GPT's step was ptxas, once per
-  kernel (80 calls, 5 s), and the budget tests compile dozens of programs whose kernels
-  are mostly the same (2 and 3 layers, bf16, delayed and current scaling). With
-  `--xla_gpu_kernel_cache_file` XLA compiles a kernel it has compiled before in this
-  file only once: a second program of the same step took 7 s instead of 13. Each worker
-  has its own file (a worker's subprocesses, which it waits for, share it), so no two
-  processes write one file at once. Compiles that dump their kernels' PTX
-  (`fp8jax.deviceless.compile_ptx`, the PTX tests) leave the cache out: a cached kernel
-  is not compiled again, so its PTX would be missing from the dump.
-  """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_gpu_kernel_cache_file" in flags:  # the caller's, or a subprocess's inherited
-    return
-  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-  cache = os.path.join(os.environ[RUN_DIR], f"xla_gpu_kernels_{worker}")
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_kernel_cache_file={cache}".strip()
 
 
 def _caller_sets_device_count() -> bool:
@@ -165,6 +143,10 @@ def pytest_sessionstart(session):
     if not cpu_compile_fast.install():
       warnings.warn("this JAX's compile options are not the form tests/cpu_compile_fast.py "
                     "knows: CPU programs compile with XLA's defaults (about twice as slow)")
+  # Each process's deviceless H100 compiles compile a kernel they have compiled before
+  # only once (gpu_kernel_cache.py).
+  import gpu_kernel_cache
+  gpu_kernel_cache.install(os.path.join(os.environ[RUN_DIR], f"xla_gpu_kernels_{os.getpid()}"))
   # In CI the deviceless H100 tests must run, not skip: a missing 'hopper' extra
   # would otherwise turn every lowering and PTX proof into a silent skip. So must the
   # mesh tests, which skip in a process with fewer than 8 devices.

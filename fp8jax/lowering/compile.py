@@ -99,6 +99,7 @@ def compile_program(fn: Callable, *args, compiler_options: dict | None = None,
     return compiled, "H100 SXM, sm_90a (deviceless compile)"
   if dump_dir is not None:
     options["xla_dump_to"] = dump_dir
+    options.setdefault("xla_gpu_kernel_cache_file", "")  # as compile_for_h100: every PTX
   specs = [a if i in static_argnums else _plain_specs(a) for i, a in enumerate(args)]
   compiled = deviceless.jitted(fn, static_argnums).lower(*specs).compile(
       compiler_options=options)
