@@ -9,9 +9,9 @@ an offset. One program holds [block_rows, 128]: whole blocks, so it decodes, upd
 re-encodes its blocks on its own. In XLA the same step is several passes (the float32
 moments written and read again for each block's statistics, then for the encodings: 41
 bytes a parameter, against 12 here with a float32 gradient, 8 with a bf16 one). Applied
-to the parameter here, a float32 parameter costs 8 bytes more in this pass and saves the
-pass that adds the update to it (12 bytes: the parameter and the update read, the
-parameter written).
+to the parameter here, a float32 parameter costs 4 bytes more in this pass (it is read;
+it is written instead of the update) and saves the pass that adds the update to it (12
+bytes: the parameter and the update read, the parameter written).
 
 Numbers: the jnp form's float32 operations in its order, so the interpreter's agree with
 XLA's to a few float32 ulps (XLA:CPU fuses some multiply-adds of the jnp form into FMAs),
@@ -157,8 +157,9 @@ MAX_AXES = 8  # the starts operand's length (a power of two, as Triton's blocks)
 # The applied step's float32 numbers, one operand. The gradient is clipped first as
 # `optax.clip_by_global_norm` does (g unchanged if grad_norm < max_grad_norm, else
 # g / grad_norm * max_grad_norm; max_grad_norm inf: never); then new p = p + step_size *
-# (update + weight_decay * p), optax's `add_decayed_weights`, `scale_by_learning_rate`
-# and `apply_updates` in their order (step_size is minus the learning rate).
+# (update + weight_decay * p), optax's `add_decayed_weights` (none added for a decay of
+# 0), `scale_by_learning_rate` and `apply_updates` in their order (step_size is minus the
+# learning rate).
 APPLIED = ("step_size", "weight_decay", "grad_norm", "max_grad_norm")
 
 
@@ -235,8 +236,9 @@ def _kernel(*refs, hyper: AdamHyper, shape: tuple[int, int], place: LeafPlace,
   update = divide(mu_hat, jnp.sqrt(nu_hat + c["eps_root"]) + c["eps"])
   if applies:
     p = tile(param_ref)
-    store_masked(first_ref, (p + a["step_size"] * (update + a["weight_decay"] * p)).astype(
-        first_ref.dtype), mask)
+    # A decay of 0 adds nothing (as optax skips it), not 0 * p (NaN for an infinite p).
+    decayed = jnp.where(a["weight_decay"] == 0, update, update + a["weight_decay"] * p)
+    store_masked(first_ref, (p + a["step_size"] * decayed).astype(first_ref.dtype), mask)
   else:
     store_masked(first_ref, update.astype(first_ref.dtype), mask)
 

@@ -87,6 +87,51 @@ def test_on_a_cpu_it_is_tx_update_then_apply_updates_bit_for_bit(max_grad_norm):
   assert not np.array_equal(got[-1][0]["w"], params["w"])
 
 
+def _nested(params):
+  """The problem's parameters one level deeper: {"blocks": {...}, "gain": ...}."""
+  return {"blocks": {k: v for k, v in params.items() if k != "gain"}, "gain": params["gain"]}
+
+
+# A constant learning rate with no decay (optax adds none: not even 0 * p); a decay masked
+# by a prefix of the parameters' tree.
+@pytest.mark.parametrize("options", [
+    dict(learning_rate=1e-3, weight_decay=0.0),
+    dict(learning_rate=SCHEDULE, weight_decay=0.1, mask={"blocks": True, "gain": False})],
+    ids=["constant_lr_no_decay", "prefix_mask"])
+def test_other_learning_rates_decays_and_masks_are_optax_s_bit_for_bit(options):
+  params, grads = _problem(4)
+  params, grads = _nested(params), [_nested(g) for g in grads]
+  tx = optim.adamw(**options, b2=0.95, storage=optim.MomentStorage(min_size=1024),
+                   max_grad_norm=1.0)
+  for (a_params, a_state), (b_params, b_state) in zip(
+      _steps(_fused_step(tx), tx, params, grads), _steps(_chain_step(tx), tx, params, grads)):
+    for a, b in zip(jax.tree.leaves((a_params, a_state)), jax.tree.leaves((b_params, b_state))):
+      np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("wrapped", ["decay_schedule", "inject_hyperparams"])
+def test_a_wrapped_adamw_takes_the_unfused_step_and_says_so(wrapped):
+  """What the fused step does not know (a weight-decay schedule, the numbers
+  inject_hyperparams makes arrays) takes tx.update then apply_updates, with a warning
+  that says how to get the fused step."""
+  params, grads = _problem(6)
+  # No bf16 leaf: optax's clipping by a norm inject_hyperparams made an array mixes dtypes.
+  params, grads = ({k: v for k, v in tree.items() if k != "half"} for tree in (params, grads[0]))
+  storage = optim.MomentStorage(min_size=1024)
+  if wrapped == "decay_schedule":
+    tx = optim.adamw(1e-3, weight_decay=lambda count: 0.1 / (1 + count), storage=storage,
+                     max_grad_norm=1.0)
+  else:
+    tx = optax.inject_hyperparams(optim.adamw)(learning_rate=1e-3, weight_decay=0.1,
+                                               max_grad_norm=1.0, storage=storage)
+  state = tx.init(params)
+  with pytest.warns(UserWarning, match="not fp8jax.optim.adamw's own"):  # when traced
+    got = _fused_step(tx)(grads, state, params)
+  want = _chain_step(tx)(grads, state, params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 def test_clipping_in_the_fused_step_is_clip_by_global_norm_chained_before_adamw():
   """max_grad_norm is `chain(optax.clip_by_global_norm(n), adamw(...))`: the same numbers
   and the same state tree, so a checkpoint of either restores into the other."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
@@ -32,9 +31,6 @@ from fp8jax.optim import apply, fused_adam
 from fp8jax.optim.moment_codec import Fp8Moment, decode, encode
 
 _ROUNDINGS = ("stochastic", "nearest")
-# Each `scale_by_adam_fp8`'s update function -> its steps, which can also apply the update
-# to the parameters (`adamw`'s fused step, `fp8jax.optim.update_and_apply`).
-_STEPS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +121,13 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     An `optax.GradientTransformation` whose state is a `ScaleByAdamFp8State`; the updates
     have the gradients' shapes and dtypes.
   """
+  return _adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov, storage)[0]
+
+
+def _adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov, storage
+              ) -> tuple[optax.GradientTransformation, Callable]:
+  """(`scale_by_adam_fp8`'s transformation, its `steps(grads, state, applied)`, which
+  also apply the step to the parameters given `_Applied`)."""
   _refuse_mu_dtype(mu_dtype)
   if not isinstance(storage, MomentStorage):
     raise TypeError(f"storage must be a fp8jax.optim.MomentStorage, got {storage!r}.")
@@ -185,7 +188,7 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       if in_kernel and applies and _kernel_applies_to(g, p):
         # One kernel on a GPU (`fp8jax.optim.fused_adam`) clips g, steps the moments and
         # writes the new parameter: the jnp form's numbers to float32 rounding.
-        numbers = (applied.step_size, applied.decays[index], applied.grad_norm,
+        numbers = (applied.step_size, applied.decays[index] or 0.0, applied.grad_norm,
                    applied.max_grad_norm)
         step = fused_adam.adam_step(
             g, *moments, constants, rounding_key, hyper,
@@ -214,8 +217,7 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     del params
     return steps(updates, state, applied=None)
 
-  _STEPS[update_fn] = steps
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn), steps
 
 
 def _bias_correction(decay: float, count: jax.Array) -> jax.Array:
@@ -229,13 +231,13 @@ def _bias_corrected(moment, decay, count):
 
 class _Applied(NamedTuple):
   """What applying the step to the parameters needs: the parameters, optax's step size
-  (minus the learning rate, float32[]), each leaf's weight decay (a float, 0.0 where the
-  mask leaves a leaf undecayed) in the order of the tree's leaves, and the clipping:
-  the gradient's global norm (float32[]) and the norm it is clipped to (inf: none)."""
+  (minus the learning rate, float32[]), each leaf's weight decay in the order of the
+  tree's leaves (a float, or None where none is added), and the clipping: the gradient's
+  global norm (float32[]) and the norm it is clipped to (inf: none)."""
 
   params: Any
   step_size: jax.Array
-  decays: tuple[float, ...]
+  decays: tuple[float | None, ...]
   grad_norm: jax.Array
   max_grad_norm: float
 
@@ -252,7 +254,8 @@ def _applied(step, p, step_size, decay):
   """optax's add_decayed_weights, scale_by_learning_rate and apply_updates on a leaf's
   (update, mu, nu), in their order: (the new parameter, mu, nu)."""
   update, mu, nu = step
-  update = update + decay * p
+  if decay is not None:
+    update = update + decay * p
   update = jnp.array(step_size, dtype=update.dtype) * update
   return jnp.asarray(p + update).astype(jnp.asarray(p).dtype), mu, nu
 
@@ -313,13 +316,12 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
     written by the same kernel as the moments (on a GPU: 8 bytes a float32 parameter
     fewer than `tx.update` then `optax.apply_updates`).
   """
-  if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                        and not isinstance(max_grad_norm, bool)
-                                        and max_grad_norm > 0):
+  # optax.inject_hyperparams hands numbers in as arrays, whose value is not checked here.
+  if max_grad_norm is not None and not isinstance(max_grad_norm, jax.Array) and not (
+      _is_number(max_grad_norm) and max_grad_norm > 0):
     raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a positive number (the "
                      "global norm the gradient is clipped to) or None (no clipping).")
-  adam_tx = scale_by_adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                              storage=storage)
+  adam_tx, adam_steps = _adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov, storage)
   lr_tx = optax.scale_by_learning_rate(learning_rate)
   tx = optax.chain(adam_tx, optax.add_decayed_weights(weight_decay, mask), lr_tx)
   clip_tx = None
@@ -340,24 +342,35 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999,
     # optax's step size, minus the learning rate of this update (as scale_by_schedule
     # multiplies it in): the learning-rate transformation applied to a one.
     step_size, lr_state = lr_tx.update(jnp.ones((), jnp.float32), lr_state)
-    applied = _Applied(params, step_size, _weight_decays(weight_decay, mask, params),
+    applied = _Applied(params, step_size, _weight_decays(weight_decay, mask, grads),
                        grad_norm, float("inf") if clip_tx is None else float(max_grad_norm))
-    new_params, adam_state = _STEPS[adam_tx.update](grads, adam_state, applied)
-    state = (adam_state, decay_state, lr_state)  # add_decayed_weights keeps no state
+    new_params, adam_state = adam_steps(grads, adam_state, applied)
+    state = (adam_state, decay_state, lr_state)  # a constant decay keeps no state
     return new_params, (state if clip_tx is None else (clip_state, state))
 
-  apply.register_fused(tx, fused)
+  # The fused step knows a constant weight decay and clipping norm (a schedule of the
+  # decay, or numbers made arrays by optax.inject_hyperparams, take tx.update's path).
+  if _is_number(weight_decay) and (max_grad_norm is None or _is_number(max_grad_norm)):
+    apply.register_fused(tx, fused)
   return tx
 
 
-def _weight_decays(weight_decay, mask, params) -> tuple:
-  """Each leaf's weight decay in `params`' leaf order (0.0 where `mask` leaves it out,
-  as `optax.add_decayed_weights(weight_decay, mask)` does)."""
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _weight_decays(weight_decay: float, mask, grads) -> tuple:
+  """Each leaf's weight decay in `grads`' leaf order: None where
+  `optax.add_decayed_weights(weight_decay, mask)` adds none (a zero decay, or a leaf the
+  mask leaves out, which optax.masked evaluates on the updates)."""
+  leaves = jax.tree.leaves(grads)
+  if weight_decay == 0:
+    return (None,) * len(leaves)
   if mask is None:
-    return (weight_decay,) * len(jax.tree.leaves(params))
-  mask_tree = mask(params) if callable(mask) else mask
-  # A mask may be a prefix of the parameters' tree: each of its flags covers a subtree.
+    return (weight_decay,) * len(leaves)
+  mask_tree = mask(grads) if callable(mask) else mask
+  # A mask may be a prefix of the gradients' tree: each of its flags covers a subtree.
   # (One that is neither was refused by `tx.init`, as optax.masked's init reads it too.)
   flags = jax.tree.leaves(jax.tree.map(
-      lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask_tree, params))
-  return tuple(weight_decay if flag else 0.0 for flag in flags)
+      lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask_tree, grads))
+  return tuple(weight_decay if flag else None for flag in flags)

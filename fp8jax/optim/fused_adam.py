@@ -2,9 +2,11 @@
 
 `scale_by_adam_fp8` updates each large leaf here. On a GPU, where the fused kernels may
 run (`fp8jax.ops.fused_kernels.kernels_allowed`), one kernel reads the gradient and both
-stored moments and writes the update and both moments stored again; in XLA (`reference`,
-the jnp form, everywhere else) the float32 moments are written and read again for the
-blocks' statistics and for each encoding. The two agree to float32 rounding (the kernel's
+stored moments and writes the update and both moments stored again (given the parameter,
+as `fp8jax.optim.update_and_apply` gives it, it clips the gradient and writes the new
+parameter instead of the update); in XLA (`reference`, the jnp form, everywhere else)
+the float32 moments are written and read again for the blocks' statistics and for each
+encoding. The two agree to float32 rounding (the kernel's
 module says how). On a mesh each device runs the kernel on its shard of the leaf, every
 axis split as the leaf is, and is told where its shard lies so that its stochastic
 rounding draws the whole leaf's numbers (`jax.experimental.custom_partitioning`). The
