@@ -21,6 +21,8 @@ from typing import Any, Callable
 import jax
 import optax
 
+from fp8jax.optim.moment_codec import Fp8Moment
+
 # A transformation's update function -> its fused step `(grads, state, params) -> (new
 # params, new state)`. Keyed weakly: a transformation dropped takes its entry with it.
 _FUSED: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
@@ -67,6 +69,5 @@ def _fused_step(tx) -> Callable | None:
 
 
 def _holds_fp8_moments(opt_state) -> bool:
-  from fp8jax.optim.adam import ScaleByAdamFp8State  # adam registers its steps here
-  is_state = lambda node: isinstance(node, ScaleByAdamFp8State)
-  return any(is_state(node) for node in jax.tree.leaves(opt_state, is_leaf=is_state))
+  is_moment = lambda node: isinstance(node, Fp8Moment)
+  return any(is_moment(node) for node in jax.tree.leaves(opt_state, is_leaf=is_moment))
