@@ -181,14 +181,23 @@ def _adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov, storage
         update = (mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)).astype(g.dtype)
         return update, store(mu, g, None), store(nu, g, rounding_key)
 
-      applies = applied is not None
       in_kernel = storage.stores(g) and fused_adam.fits_the_kernel(g, storage.block, nesterov)
       moments = ((_as_moment(mu_stored, f"mu{paths[index]}"),
                   _as_moment(nu_stored, f"nu{paths[index]}")) if in_kernel else ())
-      if in_kernel and applies and _kernel_applies_to(g, p):
-        # One kernel on a GPU (`fp8jax.optim.fused_adam`) clips g, steps the moments and
-        # writes the new parameter: the jnp form's numbers to float32 rounding.
-        numbers = (applied.step_size, applied.decays[index] or 0.0, applied.grad_norm,
+
+      def kernel_step(g, mu_stored, nu_stored):
+        # One kernel on a GPU (`fp8jax.optim.fused_adam`): jnp_step's numbers to float32
+        # rounding.
+        del mu_stored, nu_stored  # as `moments`
+        return fused_adam.adam_step(g, *moments, constants, rounding_key, hyper,
+                                    reference=jnp_step)
+
+      adam_step = kernel_step if in_kernel else jnp_step
+      if applied is None:
+        step = adam_step(g, mu_stored, nu_stored)
+      elif in_kernel and _kernel_applies_to(g, p):
+        # The kernel clips g, steps the moments and writes the new parameter.
+        numbers = (applied.step_size, applied.decays[index], applied.grad_norm,
                    applied.max_grad_norm)
         step = fused_adam.adam_step(
             g, *moments, constants, rounding_key, hyper,
@@ -196,17 +205,8 @@ def _adam_fp8(b1, b2, eps, eps_root, mu_dtype, nesterov, storage
                                         applied.decays[index]),
             applied_to=(p, jnp.stack([jnp.asarray(n, jnp.float32) for n in numbers])))
       else:
-        # optax's order: clipped, stepped (by the kernel on a GPU where it takes the
-        # leaf: jnp_step's numbers to float32 rounding), applied.
-        if applies:
-          g = _clipped(g, applied)
-        if in_kernel:
-          step = fused_adam.adam_step(g, *moments, constants, rounding_key, hyper,
-                                      reference=jnp_step)
-        else:
-          step = jnp_step(g, mu_stored, nu_stored)
-        if applies:
-          step = _applied(step, p, applied.step_size, applied.decays[index])
+        step = _clipped_stepped_applied(adam_step, p, applied, applied.decays[index], g,
+                                        mu_stored, nu_stored)
       for out, value in zip((new_firsts, new_mu, new_nu), step):
         out.append(value)
     unflatten = lambda xs: jax.tree.unflatten(treedef, xs)
@@ -232,46 +232,35 @@ def _bias_corrected(moment, decay, count):
 class _Applied(NamedTuple):
   """What applying the step to the parameters needs: the parameters, optax's step size
   (minus the learning rate, float32[]), each leaf's weight decay in the order of the
-  tree's leaves (a float, or None where none is added), and the clipping: the gradient's
-  global norm (float32[]) and the norm it is clipped to (inf: none)."""
+  tree's leaves (0.0 where none is added), and the clipping: the gradient's global norm
+  (float32[]) and the norm it is clipped to (inf: none)."""
 
   params: Any
   step_size: jax.Array
-  decays: tuple[float | None, ...]
+  decays: tuple[float, ...]
   grad_norm: jax.Array
   max_grad_norm: float
 
 
-def _clipped(g, applied: _Applied):
-  """optax.clip_by_global_norm's leaf (g itself without clipping)."""
-  if applied.max_grad_norm == float("inf"):
-    return g
-  return jax.lax.select(applied.grad_norm < applied.max_grad_norm, g,
-                        (g / applied.grad_norm.astype(g.dtype)) * applied.max_grad_norm)
-
-
-def _applied(step, p, step_size, decay):
-  """optax's add_decayed_weights, scale_by_learning_rate and apply_updates on a leaf's
-  (update, mu, nu), in their order: (the new parameter, mu, nu)."""
-  update, mu, nu = step
-  if decay is not None:
-    update = update + decay * p
-  update = jnp.array(step_size, dtype=update.dtype) * update
-  return jnp.asarray(p + update).astype(jnp.asarray(p).dtype), mu, nu
-
-
-def _clipped_stepped_applied(adam_step, p, applied: _Applied, decay, g, mu_stored,
+def _clipped_stepped_applied(adam_step, p, applied: _Applied, decay: float, g, mu_stored,
                              nu_stored):
-  """The jnp form of the kernel's applied step: clipped, `adam_step`, applied."""
-  return _applied(adam_step(_clipped(g, applied), mu_stored, nu_stored), p,
-                  applied.step_size, decay)
+  """A leaf through optax's clip_by_global_norm, `adam_step`, then add_decayed_weights,
+  scale_by_learning_rate and apply_updates, in their order: (the new parameter, mu, nu)."""
+  if applied.max_grad_norm != float("inf"):
+    g = jax.lax.select(applied.grad_norm < applied.max_grad_norm, g,
+                       (g / applied.grad_norm.astype(g.dtype)) * applied.max_grad_norm)
+  update, mu, nu = adam_step(g, mu_stored, nu_stored)
+  if decay != 0:  # optax adds no decay of 0 (nor to a leaf its mask leaves out)
+    update = update + decay * p
+  update = jnp.array(applied.step_size, dtype=update.dtype) * update
+  return jnp.asarray(p + update).astype(jnp.asarray(p).dtype), mu, nu
 
 
 def _kernel_applies_to(g, p) -> bool:
   """Whether the kernel may write the new parameter: float32 gradient and parameter of one
   shape (other dtypes round between optax's steps, which the kernel does not)."""
   f32 = jnp.dtype(jnp.float32)
-  return (p is not None and jnp.shape(p) == jnp.shape(g) and jnp.dtype(g.dtype) == f32
+  return (jnp.shape(p) == jnp.shape(g) and jnp.dtype(g.dtype) == f32
           and jnp.dtype(p.dtype) == f32)
 
 
@@ -360,12 +349,10 @@ def _is_number(value) -> bool:
 
 
 def _weight_decays(weight_decay: float, mask, grads) -> tuple:
-  """Each leaf's weight decay in `grads`' leaf order: None where
-  `optax.add_decayed_weights(weight_decay, mask)` adds none (a zero decay, or a leaf the
-  mask leaves out, which optax.masked evaluates on the updates)."""
+  """Each leaf's weight decay in `grads`' leaf order: 0.0 where
+  `optax.add_decayed_weights(weight_decay, mask)` adds none (a leaf the mask leaves out,
+  which optax.masked evaluates on the updates)."""
   leaves = jax.tree.leaves(grads)
-  if weight_decay == 0:
-    return (None,) * len(leaves)
   if mask is None:
     return (weight_decay,) * len(leaves)
   mask_tree = mask(grads) if callable(mask) else mask
@@ -373,4 +360,4 @@ def _weight_decays(weight_decay: float, mask, grads) -> tuple:
   # (One that is neither was refused by `tx.init`, as optax.masked's init reads it too.)
   flags = jax.tree.leaves(jax.tree.map(
       lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask_tree, grads))
-  return tuple(weight_decay if flag else None for flag in flags)
+  return tuple(weight_decay if flag else 0.0 for flag in flags)
